@@ -1,0 +1,318 @@
+"""Training configuration: typed dataclasses with documented fields, YAML recipes, dotted
+overrides (``dps.lam=0.5``) and validation that names the bad key before any model loads."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field carrying its documentation (shown by ``daca train --help-config``)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class GenerationConfig:
+    """The sampler (METHOD.md §1)."""
+
+    gen_length: int = _f(16, "completion length L in tokens")
+    steps: int = _f(8, "denoising steps T over the whole completion")
+    block_length: int = _f(16, "semi-autoregressive block length; divides gen_length")
+    temperature: float = _f(0.9, "Gumbel temperature for training rollouts (evaluation uses 0)")
+    cfg_scale: float = _f(0.0, "classifier-free guidance scale (0 = off)")
+    remasking: Literal["low_confidence", "random"] = _f("low_confidence", "commit order")
+
+
+@dataclass
+class DPSConfig:
+    """Denoising Progress Scores (METHOD.md §2)."""
+
+    enabled: bool = _f(True, "modulate each token's advantage by the progress of its birth step")
+    lam: float = _f(0.5, "strength λ of the multiplier 1 + λ·δ̄")
+    stride: int = _f(4, "record the trace every s steps (r_j = j·s)")
+    last_step: Literal["extrapolate", "neutral", "raw", "mean", "measured"] = _f(
+        "extrapolate", "δ of the last interval"
+    )
+    norm_axis: Literal["per_step", "trajectory", "group", "none"] = _f(
+        "per_step", "axis over which δ is z-scored"
+    )
+    scope: Literal["all", "block"] = _f("all", "trace every masked position, or the block only")
+    clamp_min: float | None = _f(None, "lower clamp of the multiplier (0 keeps advantage signs)")
+
+
+@dataclass
+class SMLConfig:
+    """Stratified Masking Likelihood (METHOD.md §3, §4)."""
+
+    enabled: bool = _f(False, "use the stratified likelihood")
+    num_strata: int = _f(4, "K strata; each token sees (K-1)/K of the completion")
+    strata: Literal["random", "interleaved", "contiguous"] = _f("random", "how strata are cut")
+    eta: float = _f(0.1, "wd1 only: weight η of the SML likelihood term")
+
+
+@dataclass
+class LoRAConfig:
+    """PEFT LoRA (the paper: r 128, α 64, dropout 0.05 on all attention and MLP projections)."""
+
+    enabled: bool = _f(False, "train a LoRA adapter instead of all weights")
+    r: int = _f(128, "rank")
+    alpha: int = _f(64, "scaling α")
+    dropout: float = _f(0.05, "adapter dropout")
+    target_modules: list[str] | None = _f(None, "module names; None = the family's default")
+
+
+@dataclass
+class TrainConfig:
+    """One RL run. Field names follow the reference codes (d1, TRL) where they exist."""
+
+    name: str = _f("tiny-sudoku-wd1-dps", "run name: outputs go to output_dir/name")
+    output_dir: str = _f("runs", "folder holding the run folders")
+    model: str = _f("tiny", "model: 'tiny' (shipped), a local folder, or a hub name")
+    task: str = _f("sudoku", "task name (daca.tasks.get_task)")
+    data_file: str | None = _f(None, "training data file (else the task generates or downloads)")
+    eval_file: str | None = _f(None, "held-out data file (else the task's test split)")
+    method: Literal["diffu_grpo", "wd1", "gdpo"] = _f("wd1", "base method (METHOD.md §4)")
+    dps: DPSConfig = field(default_factory=DPSConfig)
+    sml: SMLConfig = field(default_factory=SMLConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    num_generations: int = _f(6, "G: completions per prompt")
+    per_device_train_batch_size: int = _f(96, "completions per process per step (multiple of G)")
+    num_iterations: int = _f(1, "μ: policy updates per rollout (Diffu-GRPO, GDPO; wd1 uses 1)")
+    beta: float = _f(0.0, "KL weight against the reference policy")
+    epsilon: float = _f(0.5, "PPO clip ε")
+    p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
+    scale_rewards: Literal["none", "group"] = _f("none", "divide advantages by the group std")
+    psi: float = _f(1.0, "wd1 weight temperature ψ")
+    quadrature: str = _f("gauss-3", "GDPO ELBO quadrature")
+    learning_rate: float = _f(1e-4, "AdamW learning rate")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "AdamW β1")
+    adam_beta2: float = _f(0.99, "AdamW β2")
+    warmup_steps: int = _f(0, "linear warm-up steps, then constant")
+    gradient_accumulation_steps: int = _f(1, "rollout batches per optimizer step")
+    max_grad_norm: float = _f(0.2, "gradient-norm clip")
+    max_steps: int = _f(300, "optimizer steps")
+    seed: int = _f(0, "seed of data order, rollouts and masks")
+    train_size: int = _f(2000, "training prompts to generate (tasks that generate data)")
+    eval_every: int = _f(100, "held-out evaluation every N steps (0 = only before and after)")
+    eval_size: int = _f(200, "held-out prompts")
+    eval_batch_size: int = _f(100, "prompts per held-out generation batch")
+    save_every: int = _f(100, "checkpoint every N steps (and at the end)")
+    save_total_limit: int = _f(2, "checkpoints kept")
+    log_every: int = _f(1, "metrics line every N steps")
+    tensorboard: bool = _f(True, "write TensorBoard logs")
+    wandb: bool = _f(False, "log to Weights & Biases")
+    on_reward_error: Literal["raise", "zero"] = _f("raise", "a reward function that raises")
+    gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
+    bf16: bool = _f(False, "bf16 weights and compute (GPU)")
+    load_in_4bit: bool = _f(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes, GPU only)")
+    device: str = _f("auto", "'auto', 'cpu' or 'cuda' (accelerate decides under launch)")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and says why."""
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _check_value(key: str, tp, value):
+    """Return ``value`` converted to ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_value(key, arg, value)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_check_value(f"{key}[{i}]", args[0], v) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def from_dict(cls, data: dict[str, Any], prefix: str = ""):
+    """Build dataclass ``cls`` from nested ``data``, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in hints:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{prefix}{near[0]}'?" if near else ""
+            raise ConfigError(f"unknown key {full!r}{hint}")
+        tp = hints[key]
+        if _is_dataclass_type(tp):
+            kwargs[key] = from_dict(tp, value, prefix=f"{full}.")
+        else:
+            kwargs[key] = _check_value(full, tp, value)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"dps.lam=0.5"`` -> (["dps", "lam"], 0.5); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value (e.g. dps.lam=0.5)")
+    key, raw = text.split("=", 1)
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: cannot read value: {e}") from None
+    return key.split("."), value
+
+
+def merge_override(data: dict, path: list[str], value) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part!r} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The default config, or a YAML recipe, with dotted overrides applied, validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of keys to values")
+    for text in overrides:
+        merge_override(data, *parse_override(text))
+    cfg = from_dict(TrainConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig, world_size: int = 1) -> None:
+    """Contradictions between fields, each named with the fix."""
+    g = cfg.generation
+
+    def need(cond: bool, msg: str):
+        if not cond:
+            raise ConfigError(msg)
+
+    need(g.gen_length > 0, f"generation.gen_length must be positive, got {g.gen_length}")
+    need(g.block_length > 0, f"generation.block_length must be positive, got {g.block_length}")
+    need(
+        g.gen_length % g.block_length == 0,
+        f"generation.gen_length={g.gen_length} is not a multiple of "
+        f"generation.block_length={g.block_length}",
+    )
+    blocks = g.gen_length // g.block_length
+    need(
+        g.steps > 0 and g.steps % blocks == 0,
+        f"generation.steps={g.steps} is not divisible by the number of blocks "
+        f"{blocks} (gen_length / block_length)",
+    )
+    need(g.temperature >= 0, f"generation.temperature must be >= 0, got {g.temperature}")
+    need(cfg.num_generations >= 2, f"num_generations={cfg.num_generations}: a group needs >= 2")
+    need(
+        cfg.per_device_train_batch_size > 0
+        and cfg.per_device_train_batch_size % cfg.num_generations == 0,
+        f"per_device_train_batch_size={cfg.per_device_train_batch_size} is not a multiple of "
+        f"num_generations={cfg.num_generations}",
+    )
+    need(cfg.num_iterations >= 1, f"num_iterations must be >= 1, got {cfg.num_iterations}")
+    need(
+        cfg.method != "wd1" or cfg.num_iterations == 1,
+        "num_iterations > 1 is for the ratio methods; wd1 has no old policy (set it to 1)",
+    )
+    need(cfg.beta >= 0, f"beta must be >= 0, got {cfg.beta}")
+    need(0 < cfg.epsilon < 1, f"epsilon must be in (0, 1), got {cfg.epsilon}")
+    need(0 <= cfg.p_mask_prompt < 1, f"p_mask_prompt must be in [0, 1), got {cfg.p_mask_prompt}")
+    need(cfg.learning_rate > 0, f"learning_rate must be positive, got {cfg.learning_rate}")
+    need(cfg.max_steps >= 1, f"max_steps must be >= 1, got {cfg.max_steps}")
+    need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
+    need(cfg.max_grad_norm > 0, f"max_grad_norm must be positive, got {cfg.max_grad_norm}")
+    need(cfg.dps.stride >= 1, f"dps.stride must be >= 1, got {cfg.dps.stride}")
+    need(cfg.dps.stride <= g.steps, f"dps.stride={cfg.dps.stride} exceeds generation.steps")
+    need(cfg.sml.num_strata >= 1, f"sml.num_strata must be >= 1, got {cfg.sml.num_strata}")
+    need(
+        cfg.sml.num_strata <= g.gen_length,
+        f"sml.num_strata={cfg.sml.num_strata} exceeds generation.gen_length={g.gen_length}",
+    )
+    need(cfg.eval_size >= 1 and cfg.eval_batch_size >= 1, "eval_size and eval_batch_size >= 1")
+    need(cfg.save_every >= 1 and cfg.save_total_limit >= 1, "save_every, save_total_limit >= 1")
+    need(cfg.eval_every >= 0, "eval_every must be >= 0")
+    need(cfg.quadrature.startswith("gauss-"), f"quadrature {cfg.quadrature!r}: use 'gauss-N'")
+    need(not cfg.load_in_4bit or cfg.lora.enabled, "load_in_4bit needs lora.enabled: true")
+    need(world_size >= 1, "world size must be >= 1")
+    need(
+        "/" not in cfg.name and cfg.name not in ("", ".", ".."), f"name {cfg.name!r}: a folder name"
+    )
+
+
+def describe(cls=TrainConfig, prefix: str = "") -> list[str]:
+    """One line per field: key, default and help (``daca train --help-config``)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if _is_dataclass_type(hints[f.name]):
+            lines += describe(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"{prefix}{f.name} = {default!r}  # {f.metadata.get('help', '')}")
+    return lines

@@ -1,0 +1,194 @@
+"""Denoising Progress Scores (METHOD.md §2): per-token advantage multipliers from the trace.
+
+The sampler's trace (``daca.sampler.Rollout``) holds, for recorded steps r_j (j = 0..m, R = m+1):
+
+- ``recorded_steps`` [R] long: the r_j, increasing (r_j = j*s for the regular stride);
+- ``progress_logp`` [B, R, L] float: l[j, n] = log p(x*_n | x_{r_j}), meaningless where the mask
+  is False;
+- ``progress_mask`` [B, R, L] bool: n in M_{r_j} (still masked at r_j, recorded under the scope);
+- ``birth_step`` [B, L] long: the step that committed each position;
+- for ``last_step="measured"``: ``last_logp`` / ``last_mask`` [B, L] (the state x_{T-1}).
+
+Three pure functions turn it into multipliers (1 + lam * norm_delta_{J(n)}):
+``progress_deltas`` -> ``normalize`` -> ``token_multipliers``; ``rollout_multipliers`` chains them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LAST_STEP_MODES = ("extrapolate", "neutral", "raw", "mean", "measured")
+NORM_AXES = ("per_step", "trajectory", "group", "none")
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over the last dim where ``mask``; 0 where the set is empty (no NaN)."""
+    total = torch.where(mask, values, torch.zeros_like(values)).sum(-1)
+    return total / mask.sum(-1).clamp_min(1).to(values.dtype)
+
+
+def progress_deltas(
+    progress_logp: Tensor,
+    progress_mask: Tensor,
+    last_step: str = "extrapolate",
+    *,
+    last_logp: Tensor | None = None,
+    last_mask: Tensor | None = None,
+    recorded_steps: Tensor | None = None,
+    num_steps: int | None = None,
+) -> Tensor:
+    """Progress of every recorded interval, delta [B, R] float32 (METHOD.md §2, "Progress").
+
+    For j < m: delta_j = S(j+1, j+1) - S(j, j+1), computed as the mean over the positions recorded
+    at both j and j+1 of (l[j+1, n] - l[j, n]). Under scope "all" that set is M_{r_{j+1}} (M only
+    shrinks), which is the paper's definition; under scope "block" it is the set on which both
+    snapshots have evidence. An empty set gives delta_j = 0 (no evidence), never NaN.
+
+    The last interval j = m has no later recorded state; ``last_step`` chooses delta_m:
+    ``extrapolate`` delta_{m-1} (0 when R = 1); ``neutral`` 0; ``raw`` S(m, m), the mean of l[m]
+    over progress_mask[:, m]; ``mean`` the mean of the sequence's delta_0..delta_{m-1} (0 when
+    R = 1); ``measured`` the exact difference against x_{T-1}: mean over last_mask &
+    progress_mask[:, m] of (last_logp - l[m]), needing ``last_logp``, ``last_mask``,
+    ``recorded_steps`` and ``num_steps`` (T); it falls back to ``extrapolate`` when r_m = T-1.
+    """
+    if progress_logp.dim() != 3 or progress_mask.shape != progress_logp.shape:
+        raise ValueError(
+            f"progress_logp {tuple(progress_logp.shape)} and progress_mask "
+            f"{tuple(progress_mask.shape)} must both be [B, R, L]"
+        )
+    if progress_logp.shape[1] == 0:
+        raise ValueError("the trace has no recorded step (R = 0)")
+    if last_step not in LAST_STEP_MODES:
+        raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {last_step!r}")
+    mask = progress_mask.bool()
+    logp = progress_logp.float()
+    batch = logp.shape[0]
+
+    both = mask[:, :-1] & mask[:, 1:]  # [B, R-1, L]
+    inner = _masked_mean(logp[:, 1:] - logp[:, :-1], both)  # [B, R-1]
+    zeros = logp.new_zeros(batch)
+    extrapolated = inner[:, -1] if inner.shape[1] > 0 else zeros
+
+    if last_step == "measured":
+        if last_logp is None or last_mask is None or recorded_steps is None or num_steps is None:
+            raise ValueError(
+                "last_step='measured' needs last_logp, last_mask, recorded_steps and num_steps"
+            )
+        if last_logp.shape != logp[:, -1].shape or last_mask.shape != last_logp.shape:
+            raise ValueError(
+                f"last_logp {tuple(last_logp.shape)} and last_mask {tuple(last_mask.shape)} "
+                f"must both be [B, L] = {tuple(logp[:, -1].shape)}"
+            )
+        last_recorded = int(recorded_steps[-1])
+        if last_recorded > num_steps - 1:
+            raise ValueError(
+                f"recorded step {last_recorded} is beyond the last step {num_steps - 1}"
+            )
+        if last_recorded == num_steps - 1:
+            last = extrapolated  # x_{T-1} is the last recorded state itself: no later evidence
+        else:
+            last = _masked_mean(last_logp.float() - logp[:, -1], last_mask.bool() & mask[:, -1])
+    elif last_step == "extrapolate":
+        last = extrapolated
+    elif last_step == "neutral":
+        last = zeros
+    elif last_step == "raw":
+        last = _masked_mean(logp[:, -1], mask[:, -1])
+    else:  # mean
+        last = inner.mean(1) if inner.shape[1] > 0 else zeros
+    return torch.cat([inner, last[:, None]], dim=1)
+
+
+def normalize(deltas: Tensor, axis: str = "per_step", eps: float = 1e-6) -> Tensor:
+    """Standardised deltas (d - mu) / (sigma + eps), [B, R] (METHOD.md §2, "Normalisation").
+
+    ``per_step``: mu, sigma per interval j over the batch's trajectories (dim 0);
+    ``trajectory``: per trajectory over its intervals (dim 1); ``group``: one mu, sigma over all
+    deltas; ``none``: unchanged. sigma is the population standard deviation (divides by the count).
+    A set of equal deltas (sigma = 0) normalises to exactly 0, never NaN.
+
+    With several processes, gather the global [B, R] deltas, call this, and keep the local rows:
+    the statistics are those of the global batch (METHOD.md §2 [decision]).
+    """
+    if deltas.dim() != 2:
+        raise ValueError(f"deltas must be [B, R], got {tuple(deltas.shape)}")
+    if axis not in NORM_AXES:
+        raise ValueError(f"axis must be one of {NORM_AXES}, got {axis!r}")
+    if axis == "none":
+        return deltas
+    dims = {"per_step": (0,), "trajectory": (1,), "group": (0, 1)}[axis]
+    mu = deltas.mean(dims, keepdim=True)
+    sigma = deltas.std(dims, correction=0, keepdim=True)
+    centred = deltas - mu
+    # Equal values have no spread; without this the rounding of mu would leak through 1/eps.
+    constant = deltas.amax(dims, keepdim=True) == deltas.amin(dims, keepdim=True)
+    return torch.where(constant, torch.zeros_like(centred), centred / (sigma + eps))
+
+
+def token_multipliers(
+    norm_deltas: Tensor,
+    birth_step: Tensor,
+    recorded_steps: Tensor,
+    lam: float,
+    clamp_min: float | None = None,
+) -> Tensor:
+    """Per-token advantage multiplier 1 + lam * norm_deltas[b, J(n)], [B, L] (METHOD.md §2).
+
+    Token n inherits the interval of its birth, J(n) = max{j : r_j <= birth(n)} (so births after
+    r_m map to m; irregular recorded steps work too). ``clamp_min`` (e.g. 0, so that no token's
+    advantage flips sign) bounds the multiplier below; off by default. lam = 0 gives exactly 1.
+    """
+    if (
+        norm_deltas.dim() != 2
+        or birth_step.dim() != 2
+        or norm_deltas.shape[0] != birth_step.shape[0]
+    ):
+        raise ValueError(
+            f"norm_deltas {tuple(norm_deltas.shape)} must be [B, R] and birth_step "
+            f"{tuple(birth_step.shape)} [B, L] with the same B"
+        )
+    if recorded_steps.dim() != 1 or recorded_steps.numel() != norm_deltas.shape[1]:
+        raise ValueError(
+            f"recorded_steps {tuple(recorded_steps.shape)} must be [R], R = {norm_deltas.shape[1]}"
+        )
+    steps = recorded_steps.to(device=birth_step.device, dtype=torch.long).contiguous()
+    births = birth_step.long().contiguous()
+    if births.numel() > 0 and bool((births < steps[0]).any()):
+        raise ValueError(f"a birth step precedes the first recorded step {int(steps[0])}")
+    interval = torch.searchsorted(steps, births, right=True) - 1  # J(n), [B, L]
+    inherited = norm_deltas.float().gather(1, interval)
+    multipliers = 1.0 + lam * inherited
+    if clamp_min is not None:
+        multipliers = multipliers.clamp_min(clamp_min)
+    return multipliers
+
+
+def rollout_multipliers(
+    rollout,
+    *,
+    lam: float,
+    last_step: str = "extrapolate",
+    norm_axis: str = "per_step",
+    clamp_min: float | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """``token_multipliers`` of a ``Rollout``-like object recorded with ``dps_stride`` [B, L].
+
+    Reads ``progress_logp``, ``progress_mask``, ``recorded_steps``, ``birth_step`` and, for
+    ``last_step="measured"``, ``last_logp``, ``last_mask``, ``num_steps``. For multi-process
+    training call the three functions yourself and gather the deltas before ``normalize``.
+    """
+    if getattr(rollout, "progress_logp", None) is None:
+        raise ValueError("the rollout carries no DPS trace; generate it with dps_stride=s")
+    deltas = progress_deltas(
+        rollout.progress_logp,
+        rollout.progress_mask,
+        last_step,
+        last_logp=getattr(rollout, "last_logp", None),
+        last_mask=getattr(rollout, "last_mask", None),
+        recorded_steps=rollout.recorded_steps,
+        num_steps=getattr(rollout, "num_steps", None),
+    )
+    norm = normalize(deltas, norm_axis, eps)
+    return token_multipliers(norm, rollout.birth_step, rollout.recorded_steps, lam, clamp_min)

@@ -1,0 +1,106 @@
+"""Rollouts and held-out evaluation of a task, shared by ``pretrain``, ``train``, ``eval`` and
+``sample``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from daca.config import GenerationConfig
+from daca.models.loading import LoadedModel
+from daca.models.prompts import decode_completions, encode_prompts, prompt_texts
+from daca.sampler import Rollout, generate
+from daca.tasks import Task
+
+
+def rollout(
+    bundle: LoadedModel,
+    task: Task,
+    rows: list[dict],
+    gen: GenerationConfig,
+    *,
+    temperature: float | None = None,
+    generator: torch.Generator | None = None,
+    dps_stride: int | None = None,
+    dps_scope: str = "all",
+) -> tuple[list[str], Rollout, torch.Tensor]:
+    """Generate one completion per row: (texts, Rollout, prompt attention mask)."""
+    device = next(bundle.model.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(bundle, prompt_texts(bundle, task, rows))
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    out = generate(
+        bundle.model,
+        prompt_ids,
+        prompt_mask,
+        mask_id=bundle.mask_id,
+        gen_length=gen.gen_length,
+        steps=gen.steps,
+        block_length=gen.block_length,
+        temperature=gen.temperature if temperature is None else temperature,
+        cfg_scale=gen.cfg_scale,
+        remasking=gen.remasking,
+        generator=generator,
+        dps_stride=dps_stride,
+        dps_scope=dps_scope,
+    )
+    return decode_completions(bundle, out.completion_ids.cpu()), out, prompt_mask
+
+
+@dataclass
+class EvalResult:
+    mean: float
+    ci95: float  # half-width of the normal-approximation 95 % interval
+    scores: list[float]
+    completions: list[str]
+    prompts: list[str]
+
+
+def mean_ci95(scores: list[float]) -> tuple[float, float]:
+    n = len(scores)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(scores) / n
+    if n == 1:
+        return mean, float("nan")
+    var = sum((s - mean) ** 2 for s in scores) / (n - 1)
+    return mean, 1.96 * math.sqrt(var / n)
+
+
+@torch.no_grad()
+def evaluate(
+    bundle: LoadedModel,
+    task: Task,
+    rows: list[dict],
+    gen: GenerationConfig,
+    *,
+    batch_size: int = 100,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+) -> EvalResult:
+    """The task's metric on ``rows`` (temperature 0 by default, the paper's protocol)."""
+    was_training = bundle.model.training
+    bundle.model.eval()
+    scores, completions, prompts = [], [], []
+    batches = range(0, len(rows), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc=f"eval {task.name}", unit="batch")
+    try:
+        for start in batches:
+            chunk = rows[start : start + batch_size]
+            texts, _, _ = rollout(
+                bundle, task, chunk, gen, temperature=temperature, generator=generator
+            )
+            columns = {c: [r.get(c) for r in chunk] for c in task.columns}
+            ptexts = prompt_texts(bundle, task, chunk)
+            scores += [float(s) for s in task.score(texts, **columns)]
+            completions += texts
+            prompts += ptexts
+    finally:
+        bundle.model.train(was_training)
+    mean, ci = mean_ci95(scores)
+    return EvalResult(mean, ci, scores, completions, prompts)

@@ -1,0 +1,321 @@
+"""Per-token log-likelihoods of a completion under a masked diffusion LM (METHOD.md §3, §4).
+
+Three estimators of log p_θ(o | q), each split per completion token so that the objectives can
+form per-token ratios:
+
+- ``mean_field_logp``: d1's one-step estimate ℓ^MF (METHOD.md §4): whole completion masked.
+- ``stratified_logp``: the Stratified Masking Likelihood ℓ^SML (METHOD.md §3): K views, each
+  masking one stratum of the completion, so every token sees the other (K-1)/K of it.
+- ``elbo_token_terms``: GDPO's semi-deterministic Monte Carlo ELBO (METHOD.md §4).
+
+All three build "views" of ``prompt ++ completion`` in which some completion positions hold the
+mask token, run the model on them and read ``log_softmax(logits)[o_n]`` at the masked positions
+only. They are differentiable (used for training). Every random draw comes from the
+``generator`` passed in, on the device of the inputs: the same seed gives the same masks, which is
+how current, old and reference policies are compared like with like.
+
+Shapes: ``prompt_ids`` [B, P] (left padded, ``attention_mask`` [B, P] with 1 = real token, or
+None), ``completion_ids`` [B, L]; the completion is always attended.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from daca.modeling import forward_logits, full_attention_mask
+
+STRATA = ("random", "interleaved", "contiguous")
+
+
+def _check_inputs(prompt_ids: Tensor, completion_ids: Tensor, attention_mask: Tensor | None):
+    if prompt_ids.dim() != 2 or completion_ids.dim() != 2:
+        raise ValueError(
+            f"prompt_ids and completion_ids must be [B, P] and [B, L], got "
+            f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}"
+        )
+    if prompt_ids.shape[0] != completion_ids.shape[0]:
+        raise ValueError(
+            f"batch sizes differ: prompt_ids has {prompt_ids.shape[0]} rows, "
+            f"completion_ids {completion_ids.shape[0]}"
+        )
+    if completion_ids.shape[1] < 1:
+        raise ValueError("completion_ids must have at least one position")
+    if attention_mask is not None and attention_mask.shape != prompt_ids.shape:
+        raise ValueError(
+            f"attention_mask {tuple(attention_mask.shape)} must match prompt_ids "
+            f"{tuple(prompt_ids.shape)}"
+        )
+
+
+def _views_logp(
+    model,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    masks: Tensor,
+    *,
+    mask_id: int,
+    attention_mask: Tensor | None,
+    views_per_forward: int | None = None,
+) -> Tensor:
+    """log p(o_n | view) at the masked positions of each view, 0 elsewhere: [V, B, L].
+
+    ``masks`` [V, B, L] (bool): view v is ``prompt ++ completion`` with the positions where
+    ``masks[v]`` is True replaced by ``mask_id``. Views run ``views_per_forward`` at a time
+    (all in one batch when None); the result does not depend on it.
+    """
+    n_views, B, L = masks.shape
+    P = prompt_ids.shape[1]
+    chunk = n_views if views_per_forward is None else views_per_forward
+    if chunk < 1:
+        raise ValueError(f"views_per_forward must be >= 1 or None, got {views_per_forward}")
+    attn = full_attention_mask(attention_mask, prompt_ids, L)
+    out = []
+    for start in range(0, n_views, chunk):
+        m = masks[start : start + chunk]  # [c, B, L]
+        c = m.shape[0]
+        comp = torch.where(m, mask_id, completion_ids)
+        ids = torch.cat([prompt_ids.expand(c, B, P), comp], dim=2).reshape(c * B, P + L)
+        am = None if attn is None else attn.repeat(c, 1)
+        logits = forward_logits(model, ids, am).unflatten(0, (c, B))[:, :, P:]  # [c, B, L, V]
+        # Normalise only the rows we read (1/K of them for SML), in at least float32.
+        rows = logits[m]
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        targets = completion_ids.expand(c, B, L)[m].unsqueeze(-1)
+        lp = rows.log_softmax(-1).gather(-1, targets).squeeze(-1)
+        out.append(lp.new_zeros(c, B, L).masked_scatter(m, lp))
+    return torch.cat(out)
+
+
+def mean_field_logp(
+    model,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    *,
+    mask_id: int,
+    p_mask_prompt: float = 0.0,
+    generator: torch.Generator | None = None,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """d1's one-step mean-field estimate ℓ^MF_n = log p(o_n | q̃, all completion masked) (METHOD §4).
+
+    Each real prompt token is replaced by ``mask_id`` independently with probability
+    ``p_mask_prompt`` (padding, ``attention_mask == 0``, is never masked); the whole completion is
+    masked; one forward. Returns [B, L].
+
+    Generator: when ``p_mask_prompt > 0``, exactly one draw ``torch.rand(B, P)`` (float32); a
+    prompt token is masked where its draw is < ``p_mask_prompt``. Nothing is drawn otherwise.
+    """
+    _check_inputs(prompt_ids, completion_ids, attention_mask)
+    if not 0.0 <= p_mask_prompt <= 1.0:
+        raise ValueError(f"p_mask_prompt must lie in [0, 1], got {p_mask_prompt}")
+    if p_mask_prompt > 0:
+        draw = torch.rand(prompt_ids.shape, generator=generator, device=prompt_ids.device)
+        hide = draw < p_mask_prompt
+        if attention_mask is not None:
+            hide &= attention_mask.bool()
+        prompt_ids = prompt_ids.masked_fill(hide, mask_id)
+    B, L = completion_ids.shape
+    masks = torch.ones(1, B, L, dtype=torch.bool, device=completion_ids.device)
+    return _views_logp(
+        model, prompt_ids, completion_ids, masks, mask_id=mask_id, attention_mask=attention_mask
+    )[0]
+
+
+def strata_assignment(
+    batch_size: int,
+    length: int,
+    num_strata: int,
+    strata: str = "random",
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Stratum index k(n) of every completion position: long [B, L], values in 0..K-1 (METHOD §3).
+
+    Strata are disjoint and of equal size ±1. ``random``: per row, a random permutation of the
+    positions cut into K consecutive parts (position at rank r goes to stratum ⌊r·K/L⌋);
+    ``interleaved``: n mod K; ``contiguous``: ⌊n·K/L⌋ (K consecutive chunks).
+
+    Generator: ``random`` draws exactly one ``torch.rand(B, L, dtype=float64)`` (the permutation
+    is its argsort), whatever K; the other two draw nothing.
+    """
+    if strata not in STRATA:
+        raise ValueError(f"unknown strata {strata!r}; expected one of {STRATA}")
+    if num_strata < 1:
+        raise ValueError(f"num_strata must be >= 1, got {num_strata}")
+    if num_strata > length:
+        raise ValueError(
+            f"num_strata={num_strata} exceeds the completion length {length}: a stratum would be "
+            "empty"
+        )
+    pos = torch.arange(length, device=device)
+    if strata == "interleaved":
+        return (pos % num_strata).expand(batch_size, length).clone()
+    chunks = (pos * num_strata // length).expand(batch_size, length)
+    if strata == "contiguous":
+        return chunks.clone()
+    draw = torch.rand(batch_size, length, dtype=torch.float64, generator=generator, device=device)
+    order = draw.argsort(dim=1)  # order[b, r] = position of rank r
+    return torch.empty_like(chunks).scatter_(1, order, chunks)
+
+
+def stratified_logp(
+    model,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    *,
+    mask_id: int,
+    num_strata: int = 4,
+    strata: str = "random",
+    generator: torch.Generator | None = None,
+    attention_mask: Tensor | None = None,
+    views_per_forward: int | None = None,
+) -> Tensor:
+    """Stratified Masking Likelihood ℓ^SML_n = log p(o_n | o_{\\S_k(n)}, q) (METHOD §3): [B, L].
+
+    The completion positions are split into ``num_strata`` = K strata (``strata_assignment``);
+    view k keeps the prompt and every completion token outside S_k and masks exactly S_k.
+    ``ℓ.sum(-1)`` is log p^SML(o | q). The K views are stacked into one batch of K·B rows, or run
+    ``views_per_forward`` views at a time to bound memory (same result). K = 1 is the mean-field
+    estimate with ``p_mask_prompt=0`` (same code path, bit-identical).
+
+    Generator: exactly what ``strata_assignment`` draws (one ``torch.rand(B, L, float64)`` for
+    ``random``, nothing otherwise).
+    """
+    _check_inputs(prompt_ids, completion_ids, attention_mask)
+    B, L = completion_ids.shape
+    k_of = strata_assignment(
+        B, L, num_strata, strata, generator=generator, device=completion_ids.device
+    )
+    ks = torch.arange(num_strata, device=completion_ids.device)
+    masks = k_of.unsqueeze(0) == ks[:, None, None]  # [K, B, L], each position in one view
+    views = _views_logp(
+        model,
+        prompt_ids,
+        completion_ids,
+        masks,
+        mask_id=mask_id,
+        attention_mask=attention_mask,
+        views_per_forward=views_per_forward,
+    )
+    return views.sum(0)
+
+
+def quadrature_nodes(quadrature: str = "gauss-3") -> tuple[Tensor, Tensor]:
+    """Gauss–Legendre nodes t ∈ (0, 1) and weights (summing to 1), float64 [Q] each (METHOD §4).
+
+    ``"gauss-N"``: ``numpy.polynomial.legendre.leggauss(N)`` mapped from [-1, 1] to [0, 1]
+    (t = (x + 1)/2, w = w_x/2); gauss-3 gives t ≈ 0.113, 0.5, 0.887 with weights 5/18, 8/18, 5/18.
+    """
+    name, _, n = quadrature.partition("-")
+    if name != "gauss" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"unknown quadrature {quadrature!r}; expected 'gauss-N' with N >= 1")
+    x, w = np.polynomial.legendre.leggauss(int(n))
+    return torch.from_numpy((x + 1) / 2), torch.from_numpy(w / 2)
+
+
+def elbo_masks(
+    batch_size: int,
+    length: int,
+    nodes: Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Masks of the ELBO's noised inputs x_t: bool [Q, B, L] (METHOD §4, GDPO).
+
+    At node t_q each row masks exactly m_q = max(1, ⌊t_q·L⌋) completion positions chosen
+    uniformly at random (at least one, so that no node contributes nothing on short completions).
+
+    Generator: exactly one draw ``torch.rand(Q, B, L, dtype=float64)``; the masked positions of
+    (q, b) are the m_q smallest draws.
+    """
+    counts = torch.clamp(torch.floor(nodes.double() * length), min=1, max=length).long()
+    draw = torch.rand(
+        len(nodes), batch_size, length, dtype=torch.float64, generator=generator, device=device
+    )
+    order = draw.argsort(dim=-1)
+    ranks_masked = torch.arange(length, device=device) < counts.to(device)[:, None, None]
+    return torch.empty_like(order, dtype=torch.bool).scatter_(
+        -1, order, ranks_masked.expand_as(order)
+    )
+
+
+def elbo_token_terms_from_masks(
+    model,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    masks: Tensor,
+    nodes: Tensor,
+    weights: Tensor,
+    *,
+    mask_id: int,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """ELBO token terms for given masks: Σ_q (w_q / t_q) · 1[n masked at q] · log p(o_n | x_{t_q}).
+
+    ``masks`` bool [Q, B, L] (True = masked in x_{t_q}); ``nodes``, ``weights`` [Q]. All Q views
+    run in one batched forward. Returns [B, L]; its sum over L is the ELBO (METHOD §4).
+    """
+    _check_inputs(prompt_ids, completion_ids, attention_mask)
+    if masks.dim() != 3 or masks.shape[1:] != completion_ids.shape or masks.dtype != torch.bool:
+        raise ValueError(
+            f"masks must be bool [Q, B, L] with [B, L] = {tuple(completion_ids.shape)}, got "
+            f"{masks.dtype} {tuple(masks.shape)}"
+        )
+    if nodes.shape != (masks.shape[0],) or weights.shape != nodes.shape:
+        raise ValueError("nodes and weights must be [Q] with Q = masks.shape[0]")
+    views = _views_logp(
+        model, prompt_ids, completion_ids, masks, mask_id=mask_id, attention_mask=attention_mask
+    )
+    coef = (weights.double() / nodes.double()).to(views.device, views.dtype)
+    return (coef[:, None, None] * views).sum(0)
+
+
+def elbo_token_terms(
+    model,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    *,
+    mask_id: int,
+    quadrature: str = "gauss-3",
+    generator: torch.Generator | None = None,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """GDPO's semi-deterministic Monte Carlo ELBO, split per completion token: [B, L] (METHOD §4).
+
+    ELBO = Σ_q w_q Σ_{n masked at t_q} log p(o_n | x_{t_q}) / t_q with Gauss–Legendre nodes
+    (``quadrature_nodes``) and exactly max(1, ⌊t_q·L⌋) random completion positions masked at node
+    t_q (``elbo_masks``; prompt never masked). The sum over L is the ELBO; each token's entry
+    collects its terms over the nodes where it is masked. One batched forward of Q·B rows.
+
+    Generator: exactly what ``elbo_masks`` draws (one ``torch.rand(Q, B, L, float64)``).
+    """
+    _check_inputs(prompt_ids, completion_ids, attention_mask)
+    nodes, weights = quadrature_nodes(quadrature)
+    B, L = completion_ids.shape
+    masks = elbo_masks(B, L, nodes, generator=generator, device=completion_ids.device)
+    return elbo_token_terms_from_masks(
+        model,
+        prompt_ids,
+        completion_ids,
+        masks,
+        nodes,
+        weights,
+        mask_id=mask_id,
+        attention_mask=attention_mask,
+    )
+
+
+__all__ = [
+    "STRATA",
+    "elbo_masks",
+    "elbo_token_terms",
+    "elbo_token_terms_from_masks",
+    "mean_field_logp",
+    "quadrature_nodes",
+    "strata_assignment",
+    "stratified_logp",
+]

@@ -1,0 +1,1 @@
+"""Model adapters: load a masked diffusion LM and its tokenizer and mask id."""

@@ -1,0 +1,233 @@
+"""``daca pretrain``: train the embedded tiny masked diffusion LM from scratch.
+
+Objective (LLaDA's SFT loss): each completion token is masked with probability t ~ U(0, 1]
+(one t per example), and the cross-entropy on the masked tokens is weighted by 1/t. The
+prompt stays visible. Training stops at ``max_steps`` or as soon as the held-out metric of
+the stopping task reaches ``target_accuracy``: supervised training learns these tasks almost
+at once, and RL needs a base model that is above chance but far from perfect.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from daca.config import GenerationConfig
+from daca.evaluation import evaluate
+from daca.modeling import forward_logits, full_attention_mask
+from daca.models.loading import LoadedModel
+from daca.models.prompts import encode_prompts, encode_targets, prompt_texts
+from daca.models.tiny import build_model, build_tokenizer, tiny_bert_config
+from daca.tasks import get_task
+
+
+@dataclass
+class PretrainConfig:
+    task: str = "mix"  # sudoku | countdown | mix
+    out: str = "runs/pretrain-tiny"
+    seed: int = 0
+    max_steps: int = 1500
+    batch_size: int = 128
+    learning_rate: float = 1e-3
+    eval_every: int = 10
+    eval_size: int = 200
+    target_accuracy: float | None = 0.45  # stop once the stopping task's held-out metric >= this
+    stop_task: str = "sudoku"  # which task's metric the stopping rule reads (mix: sudoku)
+    train_size: int = 4000  # generated training examples per task
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 256
+    prompt_width: int = 20
+    gen_length: int = 16
+    steps: int = 8
+    block_length: int = 16
+
+
+def masked_diffusion_loss(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor | None,
+    target_ids: Tensor,
+    *,
+    mask_id: int,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """LLaDA's SFT loss: Σ_masked CE(o_n) / t, averaged over the batch's completion tokens."""
+    b, length = target_ids.shape
+    t = 1.0 - torch.rand(b, 1, generator=generator, device=target_ids.device)  # (0, 1]
+    masked = torch.rand(b, length, generator=generator, device=target_ids.device) < t
+    noisy = torch.where(masked, torch.full_like(target_ids, mask_id), target_ids)
+    ids = torch.cat([prompt_ids, noisy], dim=1)
+    attn = full_attention_mask(prompt_mask, prompt_ids, length)
+    logits = forward_logits(model, ids, attn)[:, prompt_ids.shape[1] :]
+    ce = F.cross_entropy(logits.transpose(1, 2), target_ids, reduction="none")
+    return (ce * masked / t).sum() / (b * length)
+
+
+def _bundle(model, tokenizer, cfg: PretrainConfig) -> LoadedModel:
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        mask_id=tokenizer.mask_token_id,
+        family="tiny",
+        eos_ids=(tokenizer.eos_token_id,),
+        pad_id=tokenizer.pad_token_id,
+        prompt_width=cfg.prompt_width,
+    )
+
+
+def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
+    """Train, save the model folder to ``cfg.out`` and return the summary (also in daca.json)."""
+    names = ["sudoku", "countdown"] if cfg.task == "mix" else [cfg.task]
+    tasks = {n: get_task(n) for n in names}
+    train = {n: tasks[n].load(split="train", limit=cfg.train_size, seed=cfg.seed) for n in names}
+    test = {n: tasks[n].load(split="test", limit=cfg.eval_size, seed=cfg.seed) for n in names}
+    stop_task = cfg.stop_task if cfg.stop_task in names else names[0]
+
+    tokenizer = build_tokenizer()
+    config = tiny_bert_config(
+        len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_positions=cfg.prompt_width + cfg.gen_length,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = build_model(config, seed=cfg.seed)
+    bundle = _bundle(model, tokenizer, cfg)
+    gen = GenerationConfig(
+        gen_length=cfg.gen_length, steps=cfg.steps, block_length=cfg.block_length, temperature=0.0
+    )
+
+    # Encode every training example once.
+    data = []
+    for n in names:
+        rows = train[n]
+        p_ids, p_mask = encode_prompts(bundle, prompt_texts(bundle, tasks[n], rows))
+        targets = encode_targets(bundle, [r["solution"] for r in rows], cfg.gen_length)
+        data.append((p_ids, p_mask, targets))
+    p_ids = torch.cat([d[0] for d in data])
+    p_mask = torch.cat([d[1] for d in data])
+    targets = torch.cat([d[2] for d in data])
+
+    gen_torch = torch.Generator().manual_seed(cfg.seed)
+    order_rng = random.Random(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    history: list[dict] = []
+
+    def held_out(step: int) -> dict:
+        metrics = {"step": step}
+        for n in names:
+            metrics[n] = evaluate(bundle, tasks[n], test[n], gen, batch_size=200).mean
+        history.append(metrics)
+        return metrics
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, desc="pretrain", unit="step")
+    start = time.time()
+    metrics = held_out(0)
+    step = 0
+    index: list[int] = []
+    while step < cfg.max_steps:
+        if cfg.target_accuracy is not None and metrics[stop_task] >= cfg.target_accuracy:
+            break
+        if len(index) < cfg.batch_size:
+            perm = list(range(len(targets)))
+            order_rng.shuffle(perm)
+            index += perm
+        batch, index = index[: cfg.batch_size], index[cfg.batch_size :]
+        model.train()
+        loss = masked_diffusion_loss(
+            model,
+            p_ids[batch],
+            p_mask[batch],
+            targets[batch],
+            mask_id=bundle.mask_id,
+            generator=gen_torch,
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        model.eval()
+        step += 1
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            metrics = held_out(step)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", **{n: f"{metrics[n]:.3f}" for n in names})
+    if bar is not None:
+        bar.close()
+    if history[-1]["step"] != step:
+        metrics = held_out(step)
+
+    summary = {
+        "family": "tiny",
+        "prompt_width": cfg.prompt_width,
+        "generation": asdict(gen),
+        "pretrain": asdict(cfg),
+        "steps_trained": step,
+        "seconds": round(time.time() - start, 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "held_out": {n: metrics[n] for n in names},
+        "eval_size": cfg.eval_size,
+        "history": history,
+    }
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "daca.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {metrics[n]:.3f}" for n in names))
+    return summary
+
+
+def add_arguments(p) -> None:
+    d = PretrainConfig()
+    p.add_argument("--task", choices=["sudoku", "countdown", "mix"], default=d.task)
+    p.add_argument("--out", default=d.out, help="output model folder")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-size", type=int, default=d.eval_size)
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=d.target_accuracy,
+        help="stop once the held-out metric of --stop-task reaches this (negative: never)",
+    )
+    p.add_argument("--stop-task", default=d.stop_task)
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+
+
+def run(args) -> int:
+    cfg = PretrainConfig(
+        task=args.task,
+        out=args.out,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        eval_every=args.eval_every,
+        eval_size=args.eval_size,
+        target_accuracy=None if args.target_accuracy < 0 else args.target_accuracy,
+        stop_task=args.stop_task,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+    )
+    pretrain(cfg)
+    return 0

@@ -1,0 +1,478 @@
+"""Run untrusted Python (model-written code for MBPP / HumanEval) in a sandbox.
+
+Isolation with bubblewrap (``bwrap``), the default when it works on this machine:
+
+- the sandbox runs as an unprivileged uid of its own (root picks a fresh one per run, so
+  ``RLIMIT_NPROC`` - which Linux does not enforce for root - counts only that run's tasks);
+- new user, pid, network, ipc, uts and cgroup namespaces: no network at all (not even the
+  host's loopback), no view of or signal to host processes; the whole pid namespace dies with
+  its init when the run ends or is killed (``--die-with-parent``), ``--new-session`` (no tty);
+- a read-only view of ``/``, a size-capped private tmpfs at ``/tmp`` (the working directory)
+  and ``/dev/shm``, ``/dev`` read-only, ``/home`` hidden;
+- limits set before any model code runs: ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory),
+  ``RLIMIT_NPROC`` (processes and threads), ``RLIMIT_FSIZE`` (any file written, including the
+  captured stdout/stderr, so output capture is bounded), no core dumps; a wall-time limit after
+  which the process group is killed.
+
+Without working bubblewrap (not installed, or user namespaces disabled) the fallback is a
+plain subprocess with the same resource limits, a fresh temp dir as cwd, a fresh uid when run
+as root, a new session, and a Python-level guard that disables ``socket`` and ``os.kill`` of
+other processes. It does NOT stop ctypes/raw syscalls, reading files the uid may read, writing
+files the uid owns (all of the user's files when not root), or a daemon escaping the process
+group when not root. A warning says so once per process.
+
+Verdicts cannot be forged by exiting early: the trusted launcher runs the program and then
+each check, and writes one line per stage, tagged with a random nonce, to a result file the
+program has no path to. ``sys.exit``/``os._exit`` in the program stops those lines, so the
+run fails. (Deliberate introspection of the launcher's frame could find the nonce; this guards
+against accidents and easy reward hacks, not against an adversary inside the interpreter.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import marshal
+import math
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+TAIL_BYTES = 4096  # how much of stdout/stderr an ExecResult keeps
+_UID_BASE, _UID_SPAN = 40000, 20000  # sandbox uids used when running as root
+_ISOLATIONS = ("bwrap", "fallback")
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The outcome of one sandboxed run.
+
+    ``passed``: the program ran to its end without an exception, every check passed, the
+    process exited 0 within the time limit. ``checks_passed`` counts the checks that passed
+    (they still count when a later one hangs). ``reason`` says why in words.
+    """
+
+    passed: bool
+    returncode: int | None
+    timed_out: bool
+    reason: str
+    stdout_tail: str
+    stderr_tail: str
+    checks_passed: int = 0
+    checks_total: int = 0
+
+    @property
+    def pass_rate(self) -> float:
+        """Fraction of the checks that passed (0/1 by ``passed`` when there are none)."""
+        if self.checks_total == 0:
+            return float(self.passed)
+        return self.checks_passed / self.checks_total
+
+
+# The trusted launcher: reads the nonce, applies the limits, runs the program then each check in
+# one namespace, and reports each stage on the result fd. Kept minimal: it runs as the sandbox.
+_LAUNCHER = r"""
+import marshal, os, resource, sys
+
+def _guard():
+    # Fallback only (bwrap has no network and a private pid namespace): best effort.
+    import _socket, socket
+    def no_network(*args, **kwargs):
+        raise PermissionError("network is disabled in the sandbox")
+    for module in (socket, _socket):
+        for name in ("socket", "socketpair", "fromfd", "create_connection", "create_server"):
+            if hasattr(module, name):
+                setattr(module, name, no_network)
+    real_kill, real_killpg, me = os.kill, os.killpg, os.getpid()
+    def kill(pid, sig):
+        if pid != me:
+            raise PermissionError("signals to other processes are disabled in the sandbox")
+        real_kill(pid, sig)
+    def killpg(pgid, sig):
+        raise PermissionError("signals to process groups are disabled in the sandbox")
+    os.kill, os.killpg = kill, killpg
+
+def _print_exc():
+    import traceback  # only when needed: startup time counts on every run
+    traceback.print_exc()
+
+def _main():
+    with open(sys.argv[1], "rb") as f:
+        spec = marshal.load(f)
+    nonce = sys.stdin.readline().strip()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    result = os.fdopen(spec["result_fd"], "w", buffering=1)
+    for name, value in spec["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if spec["guard"]:
+        _guard()
+    with open(spec["program"], encoding="utf-8") as f:
+        source = f.read()
+    checks = spec["checks"]
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(source, "program.py", "exec"), namespace)
+    except BaseException:
+        _print_exc()
+        result.write(nonce + " program 0\n")
+        return 1
+    result.write(nonce + " program 1\n")
+    failed = 0
+    for i, check in enumerate(checks):
+        try:
+            exec(compile(check, "<check %d>" % i, "exec"), namespace)
+            ok = 1
+        except BaseException:
+            _print_exc()
+            ok, failed = 0, failed + 1
+        result.write("%s check %d %d\n" % (nonce, i, ok))
+    result.write(nonce + " done\n")
+    return 1 if failed else 0
+
+sys.exit(_main())
+"""
+
+_uid_counter = itertools.count()
+_probe_lock = threading.Lock()
+_probed: dict[str, str | None] = {}  # isolation -> working interpreter (None: not usable)
+_fallback_warned = False
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _next_uid() -> int:
+    """A sandbox uid for one run (root only); differs across concurrent runs of a process."""
+    return _UID_BASE + (os.getpid() * 97 + next(_uid_counter)) % _UID_SPAN
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Threads currently owned by real uid ``uid`` (RLIMIT_NPROC counts them all)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1 0").split()[0]) == uid:
+            total += int(fields.get("Threads", "1"))
+    return total
+
+
+def _bwrap_argv(python: str, code_dir: str, scratch_mb: int) -> list[str]:
+    size = str(scratch_mb * 1024 * 1024)
+    argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+    argv += ["--remount-ro", "/dev", "--proc", "/proc", "--size", size, "--tmpfs", "/tmp"]
+    if os.path.isdir("/home"):
+        argv += ["--size", "4096", "--tmpfs", "/home", "--remount-ro", "/home"]
+    argv += ["--ro-bind", code_dir, "/tmp/.sandbox", "--chdir", "/tmp"]
+    argv += ["--unshare-all", "--unshare-user", "--disable-userns"]
+    argv += ["--die-with-parent", "--new-session", "--", python, "-I", "-B"]
+    return argv + ["/tmp/.sandbox/launcher.py"]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _tail(path: str) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - TAIL_BYTES))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _kill_uid(uid: int) -> None:
+    """Kill every process of ``uid`` (a sandbox uid of our own) by signalling -1 as that uid."""
+    kill = shutil.which("kill") or "/bin/kill"
+    subprocess.run(
+        [kill, "-9", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10
+    )
+
+
+def _wait_and_kill(proc: subprocess.Popen, nonce: str, timeout: float) -> tuple[int, bool]:
+    """Send the nonce, wait up to ``timeout`` s, kill the process group; (returncode, timed_out).
+
+    The group is killed while its leader is still unreaped (a zombie at worst), so its id
+    cannot have been reused by an unrelated process.
+    """
+    try:
+        proc.stdin.write((nonce + "\n").encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:  # a pidfd turns readable when the process exits (unreaped): no polling delay
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        try:
+            timed_out = not select.select([pidfd], [], [], timeout)[0]
+        finally:
+            os.close(pidfd)
+    else:
+        deadline, delay, timed_out = time.monotonic() + timeout, 0.0005, False
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        while os.waitid(os.P_PID, proc.pid, flags) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.02)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(), timed_out
+
+
+def _execute(
+    program: str,
+    checks: Sequence[str],
+    *,
+    isolation: str,
+    python: str,
+    timeout: float,
+    memory_mb: int,
+    max_procs: int,
+    max_file_mb: int,
+    scratch_mb: int,
+) -> ExecResult:
+    root = _is_root()
+    uid = _next_uid() if root else os.getuid()
+    # Our uid's other tasks count against RLIMIT_NPROC too when we cannot switch uid.
+    limits = {
+        "RLIMIT_CPU": math.ceil(timeout) + 1,
+        "RLIMIT_AS": memory_mb * 1024 * 1024,
+        "RLIMIT_NPROC": max_procs if root else _tasks_of_uid(uid) + max_procs,
+        "RLIMIT_FSIZE": max_file_mb * 1024 * 1024,
+        "RLIMIT_CORE": 0,
+    }
+    nonce = secrets.token_hex(16)
+    run_dir = tempfile.mkdtemp(prefix="daca-sandbox-")
+    try:
+        code_dir = os.path.join(run_dir, "code")  # read-only for the sandbox
+        work_dir = os.path.join(run_dir, "work")  # the fallback's cwd (bwrap uses its tmpfs)
+        for d in (code_dir, work_dir):
+            os.mkdir(d)
+        os.chmod(run_dir, 0o755)
+        os.chmod(code_dir, 0o755)
+        if root:
+            os.chown(work_dir, uid, uid)
+        inside = "/tmp/.sandbox" if isolation == "bwrap" else code_dir  # code_dir as seen inside
+        with ExitStack() as stack:
+            stdout, stderr, result = (
+                stack.enter_context(open(os.path.join(run_dir, n), "wb"))
+                for n in ("stdout", "stderr", "result")
+            )
+            spec = {
+                "result_fd": result.fileno(),
+                "limits": limits,
+                "guard": isolation == "fallback",
+                "program": os.path.join(inside, "program.py"),
+                "checks": list(checks),
+            }
+            for name, text in (("launcher.py", _LAUNCHER), ("program.py", program)):
+                with open(os.path.join(code_dir, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            # marshal (format 2: dicts, lists, str, int) loads fast, across Python versions.
+            with open(os.path.join(code_dir, "spec.bin"), "wb") as f:
+                marshal.dump(spec, f, 2)
+            for name in os.listdir(code_dir):
+                os.chmod(os.path.join(code_dir, name), 0o644)
+            if isolation == "bwrap":
+                argv, cwd, home = _bwrap_argv(python, code_dir, scratch_mb), run_dir, "/tmp"
+            else:
+                argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
+                cwd = home = work_dir
+            try:
+                proc = subprocess.Popen(
+                    [*argv, os.path.join(inside, "spec.bin")],
+                    stdin=subprocess.PIPE,
+                    stdout=stdout,
+                    stderr=stderr,
+                    pass_fds=(result.fileno(),),
+                    cwd=cwd,
+                    env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home},
+                    start_new_session=True,  # its own process group, killed as a whole
+                    **({"user": uid, "group": uid, "extra_groups": []} if root else {}),
+                )
+            except OSError as e:  # e.g. the interpreter is not executable by the sandbox uid
+                reason = f"could not start the sandbox: {e}"
+                return ExecResult(False, None, False, reason, "", str(e), 0, len(checks))
+        returncode, timed_out = _wait_and_kill(proc, nonce, timeout)
+        if root and isolation == "fallback":
+            _kill_uid(uid)  # daemons that left the process group
+        stdout_tail = _tail(os.path.join(run_dir, "stdout"))
+        stderr_tail = _tail(os.path.join(run_dir, "stderr"))
+        with open(os.path.join(run_dir, "result"), encoding="utf-8", errors="replace") as f:
+            stages = [line.split()[1:] for line in f if line.startswith(nonce + " ")]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return _verdict(stages, len(checks), returncode, timed_out, timeout, stdout_tail, stderr_tail)
+
+
+def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stderr_tail):
+    """ExecResult from the launcher's nonce-tagged stage lines and the exit status."""
+    program_ok = ["program", "1"] in stages
+    passed_checks = {s[1] for s in stages if len(s) == 3 and s[0] == "check" and s[2] == "1"}
+    all_checks = len(passed_checks) == n_checks
+    done = ["done"] in stages
+    passed = program_ok and done and all_checks and returncode == 0 and not timed_out
+    if passed:
+        reason = "passed"
+    elif timed_out:
+        reason = f"timed out after {timeout:g} s"
+    elif returncode < 0 or returncode > 128:
+        number = -returncode if returncode < 0 else returncode - 128
+        reason = f"killed by {_signal_name(number)}"
+    elif not stages and "bwrap:" in stderr_tail:
+        reason = "sandbox failed to start: " + stderr_tail.strip().splitlines()[-1]
+    elif not program_ok:
+        last = stderr_tail.strip().splitlines()
+        reason = "program failed" + (f": {last[-1]}" if last else f" (exit status {returncode})")
+    elif done and all_checks:
+        reason = f"exit status {returncode}"
+    else:
+        reason = f"checks failed ({len(passed_checks)}/{n_checks} passed)"
+    return ExecResult(
+        passed=passed,
+        returncode=returncode,
+        timed_out=timed_out,
+        reason=reason,
+        stdout_tail=stdout_tail,
+        stderr_tail=stderr_tail,
+        checks_passed=len(passed_checks),
+        checks_total=n_checks,
+    )
+
+
+def _interpreter(isolation: str) -> str | None:
+    """A Python the sandbox user can run under ``isolation`` (probed once), or None.
+
+    Tries ``sys.executable`` first, then the system ``python3`` (the sandbox uid may not be
+    able to reach an interpreter installed under a private home, e.g. pyenv under /root).
+    """
+    with _probe_lock:
+        if isolation not in _probed:
+            found = None
+            can_try = isolation == "fallback" or shutil.which("bwrap") is not None
+            candidates = [sys.executable, shutil.which("python3"), "/usr/bin/python3"]
+            for python in dict.fromkeys(c for c in candidates if c) if can_try else ():
+                probe = _execute(
+                    "x = 1",
+                    ["assert x == 1"],
+                    isolation=isolation,
+                    python=python,
+                    timeout=30.0,
+                    memory_mb=512,
+                    max_procs=64,
+                    max_file_mb=1,
+                    scratch_mb=1,
+                )
+                if probe.passed:
+                    found = python
+                    break
+            _probed[isolation] = found
+        return _probed[isolation]
+
+
+def isolation_available() -> str:
+    """``"bwrap"`` when bubblewrap works here, else ``"fallback"`` (see the module docstring)."""
+    return "bwrap" if _interpreter("bwrap") else "fallback"
+
+
+def run_python(
+    code: str,
+    checks: Sequence[str] = (),
+    *,
+    timeout: float = 10.0,
+    memory_mb: int = 1024,
+    max_procs: int = 32,
+    max_file_mb: int = 16,
+    scratch_mb: int = 64,
+    isolation: str | None = None,
+) -> ExecResult:
+    """Run the Python program ``code``, then each snippet of ``checks`` in its namespace.
+
+    Limits: ``timeout`` wall seconds (CPU time ``ceil(timeout) + 1``), ``memory_mb`` address
+    space, ``max_procs`` tasks of the sandbox uid (processes and threads, bwrap's own two
+    included), ``max_file_mb`` per file written (stdout/stderr included), ``scratch_mb`` for the
+    writable ``/tmp`` and ``/dev/shm`` (bwrap only). ``isolation``: ``"bwrap"``, ``"fallback"``
+    or None (bwrap when it works, else the fallback with a warning).
+    """
+    global _fallback_warned
+    if timeout <= 0 or memory_mb <= 0 or max_procs <= 0 or max_file_mb <= 0 or scratch_mb <= 0:
+        raise ValueError("timeout, memory_mb, max_procs, max_file_mb and scratch_mb must be > 0")
+    if isolation is not None and isolation not in _ISOLATIONS:
+        raise ValueError(f"isolation must be one of {_ISOLATIONS} or None, got {isolation!r}")
+    if not isinstance(code, str) or any(not isinstance(c, str) for c in checks):
+        raise ValueError("code and every check must be strings")
+    chosen = isolation or isolation_available()
+    python = _interpreter(chosen)
+    if python is None:
+        raise RuntimeError(f"sandbox isolation {chosen!r} does not work on this machine")
+    if chosen == "fallback" and isolation is None and not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(
+            "bubblewrap (bwrap) is unavailable or does not work here: model code runs in a plain "
+            "subprocess with resource limits only, a MUCH weaker isolation (see daca.sandbox)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _execute(
+        code,
+        checks,
+        isolation=chosen,
+        python=python,
+        timeout=timeout,
+        memory_mb=memory_mb,
+        max_procs=max_procs,
+        max_file_mb=max_file_mb,
+        scratch_mb=scratch_mb,
+    )
+
+
+def run_many(
+    codes: Sequence[str],
+    checks: Sequence[Sequence[str]] | None = None,
+    *,
+    workers: int = 2,
+    **limits,
+) -> list[ExecResult]:
+    """``run_python`` on each program (with its checks), at most ``workers`` at a time.
+
+    Results come back in the order of ``codes``. ``limits`` go to ``run_python``.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if checks is None:
+        checks = [()] * len(codes)
+    if len(checks) != len(codes):
+        raise ValueError(f"{len(codes)} programs but {len(checks)} lists of checks")
+    if not codes:
+        return []
+    isolation_available()  # probe (and warn) once, before the threads start
+    with ThreadPoolExecutor(max_workers=min(workers, len(codes))) as pool:
+        jobs = [pool.submit(run_python, c, k, **limits) for c, k in zip(codes, checks, strict=True)]
+        return [job.result() for job in jobs]

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from daca.models.tiny import build_model, tiny_config
+
+
+def random_mlm(vocab_size: int = 32, seed: int = 0, **kw):
+    """A small random bidirectional masked LM (ModernBERT) for tests."""
+    kw.setdefault("hidden_size", 64)
+    kw.setdefault("num_layers", 2)
+    kw.setdefault("num_heads", 2)
+    kw.setdefault("intermediate_size", 128)
+    return build_model(tiny_config(vocab_size, **kw), seed=seed)
+
+
+@pytest.fixture
+def tiny_random_model():
+    return random_mlm()
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    torch.set_num_threads(2)
+
+
+def save_tiny_model(path, seed: int = 0, hidden_size: int = 32, num_layers: int = 1):
+    """A random tiny BERT in the shipped model's format (daca.json, tokenizer), saved to path."""
+    import json
+
+    from daca.models.tiny import build_tokenizer, tiny_bert_config
+
+    tok = build_tokenizer()
+    cfg = tiny_bert_config(
+        len(tok),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_positions=36,
+        pad_token_id=tok.pad_token_id,
+    )
+    build_model(cfg, seed=seed).save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "daca.json").write_text(json.dumps({"family": "tiny", "prompt_width": 20}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -1,0 +1,246 @@
+"""The code sandbox: right code passes, escape attempts score 0 and leave nothing behind."""
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from daca import sandbox
+from daca.sandbox import ExecResult, isolation_available, run_many, run_python
+
+psutil = pytest.importorskip("psutil")
+
+ROOT = os.geteuid() == 0
+# Both isolations as root (the fallback's file and signal protection relies on a separate uid).
+ISOLATIONS = [pytest.param("bwrap", id="bwrap"), pytest.param("fallback", id="fallback")]
+FAST = {"timeout": 2.0, "memory_mb": 256, "max_procs": 16, "max_file_mb": 1, "scratch_mb": 4}
+
+
+def _skip_unusable(isolation):
+    if isolation == "bwrap" and isolation_available() != "bwrap":
+        pytest.skip("bubblewrap is not installed or does not work here (user namespaces?)")
+    if isolation == "fallback" and not ROOT:
+        pytest.skip("the fallback only isolates files and signals when run as root")
+
+
+@pytest.fixture
+def sandbox_uid(monkeypatch):
+    """A fixed sandbox uid for the test, so that its processes can be found afterwards."""
+    uid = 59000 + os.getpid() % 900
+    monkeypatch.setattr(sandbox, "_next_uid", lambda: uid)
+    return uid
+
+
+def _leftovers(uid):
+    """Our descendants and processes of the sandbox uid still alive (zombies excluded)."""
+    alive = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    if ROOT:
+        for proc in psutil.process_iter(["uids", "status"]):
+            uids, status = proc.info["uids"], proc.info["status"]
+            if uids and uids.real == uid and status != psutil.STATUS_ZOMBIE:
+                alive.append(proc.pid)
+    return alive
+
+
+def _assert_nothing_left(uid):
+    deadline = time.monotonic() + 3.0  # the kernel tears a pid namespace down asynchronously
+    while _leftovers(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _leftovers(uid) == []
+
+
+def _run(isolation, code, checks=(), **limits):
+    _skip_unusable(isolation)
+    result = run_python(code, checks, isolation=isolation, **{**FAST, **limits})
+    assert isinstance(result, ExecResult)
+    return result
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_right_solution_passes_and_counts_checks(isolation, sandbox_uid):
+    code = "def add(a, b):\n    return a + b\nprint('hello')\n"
+    ok = _run(isolation, code, ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"])
+    assert ok.passed and ok.reason == "passed" and ok.returncode == 0
+    assert (ok.checks_passed, ok.checks_total, ok.pass_rate) == (2, 2, 1.0)
+    assert ok.stdout_tail == "hello\n"
+    half = _run(isolation, code, ["assert add(1, 2) == 3", "assert add(1, 1) == 3"])
+    assert not half.passed and (half.checks_passed, half.pass_rate) == (1, 0.5)
+    assert "AssertionError" in half.stderr_tail
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_syntax_error_and_early_exit_do_not_pass(isolation, sandbox_uid):
+    bad = _run(isolation, "def f(:\n    pass\n", ["assert True"])
+    assert not bad.passed and "SyntaxError" in bad.reason and bad.checks_passed == 0
+    # Exiting before the checks run cannot fake success, whatever the exit status.
+    for code in ("import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n"):
+        early = _run(isolation, code, ["assert False"])
+        assert not early.passed and early.checks_passed == 0
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_infinite_loop_times_out(isolation, sandbox_uid):
+    start = time.monotonic()
+    result = _run(isolation, "while True:\n    pass\n", timeout=1.0)
+    assert time.monotonic() - start < 5.0
+    assert result.timed_out and not result.passed and result.reason.startswith("timed out")
+    # Checks that passed before a later one hangs still count.
+    slow = _run(isolation, "x = 1", ["assert x == 1", "while True:\n    pass"], timeout=1.0)
+    assert slow.timed_out and (slow.checks_passed, slow.checks_total) == (1, 2)
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_fork_is_capped_then_fork_bomb_is_contained(isolation, sandbox_uid):
+    # Safe version first: at most 200 short-lived children; RLIMIT_NPROC stops them early.
+    bounded = (
+        "import os, time\nn = 0\nfor i in range(200):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(1)\n"
+        "        os._exit(0)\n    n += 1\nprint(n)\n"
+    )
+    capped = _run(isolation, bounded, max_procs=16)
+    assert capped.passed and int(capped.stdout_tail) < 16
+    _assert_nothing_left(sandbox_uid)
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    result = _run(isolation, bomb, timeout=1.5, max_procs=16)
+    assert not result.passed and result.timed_out
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_memory_bomb_fails(isolation, sandbox_uid):
+    for code in ("x = bytearray(10**10)", "x = []\nwhile True:\n    x.append(bytearray(10**7))"):
+        result = _run(isolation, code, memory_mb=256)
+        assert not result.passed and not result.timed_out
+        assert "MemoryError" in result.stderr_tail
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_files_outside_the_sandbox_are_untouchable(isolation, sandbox_uid, tmp_path):
+    _skip_unusable(isolation)
+    places = [tmp_path]
+    if isolation == "bwrap":
+        # World-writable and visible inside: only the read-only mount protects it.
+        shared = Path(tempfile.mkdtemp(dir="/var/tmp"))
+        shared.chmod(0o777)
+        places.append(shared)
+    try:
+        for place in places:
+            sentinel = place / "sentinel.txt"
+            sentinel.write_text("keep me")
+            sentinel.chmod(0o666)
+            attacks = [
+                f"import os\nos.remove({str(sentinel)!r})\n",
+                f"open({str(sentinel)!r}, 'w').write('gotcha')\n",
+                f"open({str(place / 'new.txt')!r}, 'w').write('gotcha')\n",
+                f"import shutil\nshutil.rmtree({str(place)!r})\n",
+            ]
+            for code in attacks:
+                assert not _run(isolation, code).passed
+            assert sentinel.read_text() == "keep me"
+            assert sorted(p.name for p in place.iterdir()) == ["sentinel.txt"]
+    finally:
+        for place in places[1:]:
+            for p in place.iterdir():
+                p.unlink()
+            place.rmdir()
+    # The sandbox's own scratch space is writable (and private).
+    scratch = _run(isolation, "open('f.txt', 'w').write('x')\nassert open('f.txt').read() == 'x'")
+    assert scratch.passed
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_no_network_to_localhost(isolation, sandbox_uid):
+    _skip_unusable(isolation)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        attacks = [
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n",
+            f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\n",
+        ]
+        for code in attacks:
+            result = _run(isolation, code)
+            assert not result.passed
+        with pytest.raises(BlockingIOError):  # nothing ever connected
+            listener.accept()
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_cannot_kill_parent_or_test_process(isolation, sandbox_uid):
+    me = os.getpid()
+    code = f"import os\nos.kill(os.getppid(), 9)\nos.kill({me}, 9)"
+    result = _run(isolation, code)
+    assert not result.passed and result.returncode is not None  # a normal verdict came back
+    assert psutil.pid_exists(me)
+    # The harness itself still works afterwards.
+    assert _run(isolation, "x = 1", ["assert x == 1"]).passed
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_huge_output_is_cut_and_bounded(isolation, sandbox_uid):
+    for code in (
+        "import sys\nsys.stdout.write('x' * 100_000_000)\nsys.stdout.flush()\n",
+        "while True:\n    print('y' * 1000)\n",
+    ):
+        result = _run(isolation, code, max_file_mb=1)
+        assert not result.passed
+        assert len(result.stdout_tail) <= sandbox.TAIL_BYTES
+    _assert_nothing_left(sandbox_uid)
+
+
+@pytest.mark.skipif(not ROOT, reason="finding escaped daemons by uid needs root")
+def test_fallback_kills_daemons_that_leave_the_process_group(sandbox_uid):
+    daemon = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(60)\n    os._exit(0)\ntime.sleep(0.3)\n"
+    )
+    assert _run("fallback", daemon).passed
+    _assert_nothing_left(sandbox_uid)
+
+
+def test_run_many_keeps_order_and_bounds_workers():
+    _skip_unusable(isolation_available())
+    codes = [f"x = {i}" for i in range(6)]
+    checks = [[f"assert x == {i}", "assert x % 2 == 0"] for i in range(6)]
+    results = run_many(codes, checks, workers=2, **FAST)
+    assert [r.checks_passed for r in results] == [2, 1, 2, 1, 2, 1]
+    assert [r.passed for r in results] == [True, False] * 3
+    assert run_many([], workers=2) == []
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="timeout"):
+        run_python("x = 1", timeout=0)
+    with pytest.raises(ValueError, match="isolation"):
+        run_python("x = 1", isolation="docker")
+    with pytest.raises(ValueError, match="strings"):
+        run_python("x = 1", [1])
+    with pytest.raises(ValueError, match="workers"):
+        run_many(["x = 1"], workers=0)
+    with pytest.raises(ValueError, match="lists of checks"):
+        run_many(["x = 1", "x = 2"], [["assert x"]])
+
+
+def test_sandbox_does_not_see_our_environment(monkeypatch):
+    _skip_unusable(isolation_available())
+    monkeypatch.setenv("DACA_SECRET_TOKEN", "hunter2")
+    code = "import os, sys\nassert 'DACA_SECRET_TOKEN' not in os.environ\n"
+    assert run_python(code, **FAST).passed

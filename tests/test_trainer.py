@@ -1,0 +1,149 @@
+"""End-to-end runs of the trainer on a tiny random model (a few steps each)."""
+
+import json
+
+import pytest
+import torch
+
+from daca.config import load_config
+from daca.rewards import RewardError, score_rewards
+from daca.tasks import Task, get_task, register_task
+from daca.trainer import Trainer
+
+
+def _ones_task() -> Task:
+    """Sudoku prompts with a reward a random model can move: the share of '1' characters."""
+    sudoku = get_task("sudoku")
+
+    def ones(prompts, completions, **kw):
+        return [c.count("1") / 16 for c in completions]
+
+    return Task(
+        name="ones",
+        load=sudoku.load,
+        chat_prompt=sudoku.chat_prompt,
+        compact_prompt=sudoku.compact_prompt,
+        reward_funcs=[ones],
+        score=lambda completions, **kw: ones(None, completions),
+        columns=sudoku.columns,
+    )
+
+
+register_task("ones", _ones_task)
+
+
+def _cfg(model_dir, out, name, *overrides):
+    base = [
+        f"model={model_dir}",
+        f"output_dir={out}",
+        f"name={name}",
+        "task=ones",
+        "weight_decay=0.0",
+        "per_device_train_batch_size=12",
+        "num_generations=6",
+        "train_size=40",
+        "eval_size=8",
+        "eval_every=0",
+        "max_steps=2",
+        "tensorboard=false",
+        "generation.steps=4",
+        "generation.gen_length=16",
+        "generation.block_length=8",
+        "dps.stride=1",
+        "learning_rate=1e-3",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def _params(trainer):
+    model = trainer.acc.unwrap_model(trainer.model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _drop_times(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["method=wd1"],
+        ["method=wd1", "sml.enabled=true", "sml.eta=0.5"],
+        ["method=diffu_grpo", "num_iterations=2", "beta=0.04", "sml.enabled=true"],
+        ["method=gdpo", "num_iterations=2", "dps.last_step=measured", "dps.scope=block"],
+    ],
+    ids=["wd1", "wd1-sml", "diffu_grpo-sml-kl", "gdpo-dps-measured"],
+)
+def test_methods_train_and_change_parameters(tiny_model_dir, tmp_path, overrides):
+    cfg = _cfg(tiny_model_dir, tmp_path, "run", *overrides)
+    trainer = Trainer(cfg, progress=False)
+    before = _params(trainer)
+    summary = trainer.train()
+    after = _params(trainer)
+    assert summary["steps"] == 2
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(v == v for v in r.values()), r  # no NaN
+        assert "dps/multiplier_std" in r and "loss" in r
+    assert (tmp_path / "run" / "curves.png").is_file()
+
+
+def test_lambda_zero_reproduces_base_method(tiny_model_dir, tmp_path):
+    """DPS with λ = 0 must give exactly the base method's updates (METHOD.md §2)."""
+    common = ["method=diffu_grpo", "num_iterations=2"]
+    a = Trainer(_cfg(tiny_model_dir, tmp_path, "a", *common, "dps.enabled=false"), progress=False)
+    a.train()
+    b = Trainer(_cfg(tiny_model_dir, tmp_path, "b", *common, "dps.lam=0.0"), progress=False)
+    b.train()
+    pa, pb = _params(a), _params(b)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    c = Trainer(_cfg(tiny_model_dir, tmp_path, "c", *common, "dps.lam=2.0"), progress=False)
+    c.train()
+    pc = _params(c)
+    assert any(not torch.equal(pa[k], pc[k]) for k in pa)
+
+
+def test_resume_continues_exactly(tiny_model_dir, tmp_path):
+    over = ["method=diffu_grpo", "num_iterations=2", "beta=0.04", "save_every=3"]
+    straight = Trainer(
+        _cfg(tiny_model_dir, tmp_path, "straight", *over, "max_steps=6"), progress=False
+    )
+    straight.train()
+    first = Trainer(_cfg(tiny_model_dir, tmp_path, "split", *over, "max_steps=3"), progress=False)
+    first.train()
+    resumed = Trainer(
+        _cfg(tiny_model_dir, tmp_path, "split", *over, "max_steps=6"), resume=True, progress=False
+    )
+    assert resumed.step == 3
+    resumed.train()
+    ps, pr = _params(straight), _params(resumed)
+    assert all(torch.equal(ps[k], pr[k]) for k in ps)
+    rows_s = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").open()]
+    rows_r = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").open()]
+    assert _drop_times(rows_s) == _drop_times(rows_r)
+
+
+def test_existing_run_is_not_overwritten(tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir, tmp_path, "once", "max_steps=1")
+    Trainer(cfg, progress=False).train()
+    with pytest.raises(FileExistsError, match="--resume"):
+        Trainer(cfg, progress=False)
+
+
+def test_reward_error_names_function_and_example():
+    def fine(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    def broken(prompts, completions, **kw):
+        return [1.0 / (c != "bad") for c in completions]
+
+    with pytest.raises(RewardError, match=r"broken failed on example 1 .*'bad'"):
+        score_rewards([fine, broken], [1.0, 1.0], ["p", "q"], ["ok", "bad"], {})
+    per, total, errors = score_rewards(
+        [fine, broken], [1.0, 0.5], ["p", "q"], ["ok", "bad"], {}, on_error="zero"
+    )
+    assert errors == 1
+    assert total.tolist() == [1.5, 1.0]
+    assert per.tolist() == [[1.0, 1.0], [1.0, 0.0]]
