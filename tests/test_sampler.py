@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_mlm
 
-from daca.sampler import generate, transfer_schedule
+from daca.sampler import generate, top_confidence_mask, transfer_schedule
 
 V, MASK, PAD = 32, 31, 0
 
@@ -81,6 +81,18 @@ def test_transfer_schedule_by_hand():
         [3, 3, 2, 2],
         [1, 1, 0, 0],
         [1, 1, 1, 1],
+    ]
+
+
+def test_top_confidence_mask_per_row_counts():
+    confidence = torch.tensor([[0.1, 0.5, -math.inf, 0.3], [0.9, 0.2, 0.4, -math.inf]])
+    assert top_confidence_mask(confidence, [2, 1]).tolist() == [
+        [False, True, False, True],
+        [True, False, False, False],
+    ]
+    assert top_confidence_mask(confidence, [1, 1]).tolist() == [
+        [False, True, False, False],
+        [True, False, False, False],
     ]
 
 

@@ -3,6 +3,7 @@
 import os
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -244,3 +245,22 @@ def test_sandbox_does_not_see_our_environment(monkeypatch):
     monkeypatch.setenv("DACA_SECRET_TOKEN", "hunter2")
     code = "import os, sys\nassert 'DACA_SECRET_TOKEN' not in os.environ\n"
     assert run_python(code, **FAST).passed
+
+
+def test_run_many_runs_identical_programs_once(monkeypatch):
+    calls = []
+
+    def fake_run(code, checks=(), **limits):
+        calls.append((code, tuple(checks)))
+        return ExecResult(code == "good", 0, False, "fake", "", "", 0, len(checks))
+
+    monkeypatch.setattr(sandbox, "run_python", fake_run)
+    monkeypatch.setattr(sandbox, "isolation_available", lambda: "bwrap")
+    results = run_many(["good", "bad", "good", "good"], [["c"], ["c"], ["c"], ["d"]], workers=2)
+    assert [r.passed for r in results] == [True, False, True, True]
+    assert sorted(calls) == [("bad", ("c",)), ("good", ("c",)), ("good", ("d",))]
+
+
+def test_task_count_of_our_uid_includes_our_threads():
+    assert sandbox._tasks_of_uid(os.getuid()) >= threading.active_count()
+    assert sandbox._tasks_of_uid(4_000_000) == 0

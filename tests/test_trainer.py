@@ -45,6 +45,7 @@ def _cfg(model_dir, out, name, *overrides):
         "eval_size=8",
         "eval_every=0",
         "max_steps=2",
+        "save_rollouts_every=1",
         "tensorboard=false",
         "generation.steps=4",
         "generation.gen_length=16",
@@ -147,3 +148,16 @@ def test_reward_error_names_function_and_example():
     assert errors == 1
     assert total.tolist() == [1.5, 1.0]
     assert per.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+
+
+def test_rollout_records_for_inspect(tiny_model_dir, tmp_path):
+    Trainer(_cfg(tiny_model_dir, tmp_path, "rec", "dps.lam=0.5"), progress=False).train()
+    rec = json.loads((tmp_path / "rec" / "rollouts" / "step-0000002.json").read_text())
+    G, L = 6, 16
+    assert len(rec["tokens"]) == G and all(len(t) == L for t in rec["tokens"])
+    # Each multiplier is 1 + λ·δ̄ of its token's birth interval (stride 1: interval = birth).
+    for b in range(G):
+        for n in range(L):
+            j = rec["birth_step"][b][n]
+            expected = 1 + 0.5 * rec["norm_deltas"][b][j]
+            assert abs(rec["multipliers"][b][n] - expected) < 1e-5

@@ -1,4 +1,4 @@
-"""The ``daca`` command line. Each subcommand lives in its own module and registers here."""
+"""The ``daca`` command line. Each subcommand lives in a module and registers here."""
 
 from __future__ import annotations
 
@@ -8,10 +8,34 @@ import sys
 
 import daca
 
-# name -> (module, help). A module defines ``add_arguments(parser)`` and ``run(args) -> int``.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("daca.train_cli", "RL-train a masked diffusion LM (default: tiny model, Sudoku)"),
-    "pretrain": ("daca.pretrain", "train the embedded tiny masked diffusion LM from scratch"),
+# name -> (module, function adding arguments, function running, help)
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "train": (
+        "daca.train_cli",
+        "add_arguments",
+        "run",
+        "RL-train a masked diffusion LM (no arguments: the tiny model on Sudoku, wd1 + DPS)",
+    ),
+    "pretrain": (
+        "daca.pretrain",
+        "add_arguments",
+        "run",
+        "train the embedded tiny masked diffusion LM from scratch",
+    ),
+    "eval": ("daca.eval_cli", "add_eval_arguments", "run_eval", "a model's metric on a task"),
+    "sample": ("daca.eval_cli", "add_sample_arguments", "run_sample", "show a model's answers"),
+    "compare": (
+        "daca.compare",
+        "add_arguments",
+        "run",
+        "the ablation grid: methods x variants x seeds, as tables and plots",
+    ),
+    "inspect": (
+        "daca.inspect_run",
+        "add_arguments",
+        "run",
+        "draw a recorded rollout coloured by DPS multipliers (PNG and HTML)",
+    ),
 }
 
 
@@ -22,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"daca {daca.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, add, _, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
+        getattr(importlib.import_module(module), add)(p)
     return parser
 
 
@@ -34,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    module, _ = COMMANDS[args.command]
-    return importlib.import_module(module).run(args) or 0
+    module, _, run, _ = COMMANDS[args.command]
+    return getattr(importlib.import_module(module), run)(args) or 0
 
 
 if __name__ == "__main__":

@@ -112,6 +112,9 @@ class TrainConfig:
     save_every: int = _f(100, "checkpoint every N steps (and at the end)")
     save_total_limit: int = _f(2, "checkpoints kept")
     log_every: int = _f(1, "metrics line every N steps")
+    save_rollouts_every: int = _f(
+        50, "record the first group's rollout for `daca inspect` (0: never)"
+    )
     tensorboard: bool = _f(True, "write TensorBoard logs")
     wandb: bool = _f(False, "log to Weights & Biases")
     on_reward_error: Literal["raise", "zero"] = _f("raise", "a reward function that raises")

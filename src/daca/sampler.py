@@ -127,6 +127,11 @@ class _Rows:
         self.lse = torch.logsumexp(rows.float(), dim=-1)
         self.live = rows.shape[0]
 
+    def logp_at(self, tokens: Tensor) -> Tensor:
+        """log p(tokens) at each position's row: [B, bl] -> [B, bl] (garbage where no row)."""
+        idx = self.slot.clamp_min(0)
+        return self.rows[idx, tokens].float() - self.lse[idx]
+
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in (self.rows, self.lse, self.slot))
@@ -200,57 +205,72 @@ class TraceRecorder:
         return self.scope == "all" and t % self.s == 0
 
     def step(
-        self, t: int, block: int, logits: Tensor, masked: Tensor, born: Tensor, tokens: Tensor
+        self,
+        t: int,
+        block: int,
+        logits: Tensor,
+        masked: Tensor,
+        born: Tensor,
+        tokens: Tensor,
+        num_born: int,
     ) -> None:
         """Record step t of the given block.
 
         logits [B, W, V]: the logits the sampler used at step t for completion positions
         block*bl .. block*bl + W - 1 (W = L - block*bl when `needs_all_positions(t)`, else bl);
-        masked [B, L]: M_t; born [B, bl]: the positions of the block committed at step t;
-        tokens [B, bl]: the block after the commit (x* at the born positions).
+        masked [B, L]: M_t; born [B, bl]: the positions of the block committed at step t
+        (num_born of them in all); tokens [B, bl]: the block after the commit (x* where born).
         """
-        lo, hi = block * self.bl, (block + 1) * self.bl
-        self._release(block, born, tokens)
-        block_logits = logits[:, : self.bl]
-        if t % self.s == 0 or t == self.T - 1:
-            now = token_logp(block_logits, tokens)  # born at t: x* is known now
-        if t % self.s == 0:
+        bl, lo, hi = self.bl, block * self.bl, (block + 1) * self.bl
+        self._release(block, born, tokens, num_born)
+        recorded = t % self.s == 0
+        if recorded or t == self.T - 1:  # positions born now: x* is known, gather at once
+            now = token_logp(logits[:, :bl][born], tokens[born])
+        if recorded:
             j = t // self.s
             in_scope = masked.clone()
             if self.scope == "block":
                 in_scope[:, :lo] = False
                 in_scope[:, hi:] = False
             self.progress_mask[:, j] = in_scope
-            dst = self.progress_logp[:, j, lo:hi]
-            dst.copy_(torch.where(born, now, dst))
-            keep = in_scope.clone()
-            keep[:, lo:hi] &= ~born
-            for c in range(block, self.L // self.bl if self.scope == "all" else block + 1):
-                sel = keep[:, c * self.bl : (c + 1) * self.bl]
-                rows = logits[:, (c - block) * self.bl : (c - block + 1) * self.bl][sel]
-                if rows.shape[0] == 0:
-                    continue
-                slot = torch.full(sel.shape, -1, dtype=torch.long, device=sel.device)
-                slot[sel] = torch.arange(rows.shape[0], device=sel.device)
-                self.groups.setdefault(c, []).append(_Rows(j, rows, slot))
+            self.progress_logp[:, j, lo:hi][born] = now
+            keep = masked[:, lo:hi] & ~born
+            rows = logits[:, :bl][keep]
+            if rows.shape[0]:
+                slot = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+                slot[keep] = torch.arange(rows.shape[0], device=keep.device)
+                self.groups.setdefault(block, []).append(_Rows(j, rows, slot))
+            if self.scope == "all":  # later blocks are still fully masked: hold all their rows
+                B, V = logits.shape[0], logits.shape[-1]
+                for c in range(block + 1, self.L // bl):
+                    part = logits[:, (c - block) * bl : (c - block + 1) * bl]
+                    rows = part.clone(memory_format=torch.contiguous_format).view(B * bl, V)
+                    slot = torch.arange(B * bl, device=logits.device).view(B, bl)
+                    self.groups.setdefault(c, []).append(_Rows(j, rows, slot))
         if t == self.T - 1:  # M_{T-1} is born at the last step
             self.last_mask.copy_(masked)
-            self.last_logp[:, lo:hi] = torch.where(born, now, 0.0)
+            self.last_logp[:, lo:hi][born] = now
         self.held_bytes = sum(g.nbytes for gs in self.groups.values() for g in gs)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def _release(self, block: int, born: Tensor, tokens: Tensor) -> None:
-        """Gather l[j, n] of the positions born in this block from every snapshot; free them."""
+    def _release(self, block: int, born: Tensor, tokens: Tensor, num_born: int) -> None:
+        """Gather l[j, n] of the positions born in this block from every snapshot; free them.
+
+        Every position born at t > r_j was masked at r_j, so it has a row in each held group.
+        """
+        groups = self.groups.get(block)
+        if not groups or num_born == 0:
+            return
         lo, hi = block * self.bl, (block + 1) * self.bl
+        js = [g.j for g in groups]
+        vals = torch.stack([g.logp_at(tokens) for g in groups], dim=1)  # [B, G, bl]
+        self.progress_logp[:, js, lo:hi] = torch.where(
+            born[:, None], vals, self.progress_logp[:, js, lo:hi]
+        )
         kept = []
-        for g in self.groups.get(block, []):
-            hit = born & (g.slot >= 0)
-            idx = g.slot.clamp_min(0)
-            vals = g.rows[idx, tokens].float() - g.lse[idx]
-            dst = self.progress_logp[:, g.j, lo:hi]
-            dst.copy_(torch.where(hit, vals, dst))
-            g.slot = g.slot.masked_fill(hit, -1)
-            g.live -= int(hit.sum())
+        for g in groups:
+            g.slot.masked_fill_(born, -1)
+            g.live -= num_born
             if g.live == 0:
                 continue
             if 2 * g.live <= g.rows.shape[0]:
@@ -259,7 +279,7 @@ class TraceRecorder:
         if kept:
             self.groups[block] = kept
         else:
-            self.groups.pop(block, None)
+            del self.groups[block]
 
 
 @torch.no_grad()
@@ -358,16 +378,24 @@ def generate(
                 logits = guided_logits(both[:B, P + lo : end], both[B:, P + lo : end], cfg_scale)
             else:
                 logits = forward_logits(model, x, attn)[:, P + lo : end]
-            block_logits = logits[:, :bl]
-            x0 = gumbel_argmax(block_logits, temperature, generator)
-            confidence = candidate_confidence(block_logits, x0, remasking, generator)
-            confidence = confidence.masked_fill(~masked[:, lo:hi], -math.inf)
+            # candidates and confidences only where they can be committed: masked block positions
+            open_ = masked[:, lo:hi]
+            cand_logits = logits[:, :bl][open_]  # [N, V]
+            x0 = gumbel_argmax(cand_logits, temperature, generator)
+            conf = candidate_confidence(cand_logits, x0, remasking, generator)
+            confidence = torch.full((B, bl), -math.inf, dtype=conf.dtype, device=device)
+            confidence[open_] = conf
             born = top_confidence_mask(confidence, [row[i] for row in counts])
-            block_tokens = torch.where(born, x0, x[:, P + lo : P + hi])
+            block_tokens = x[:, P + lo : P + hi].clone()
+            candidates = block_tokens.clone()
+            candidates[open_] = x0
+            block_tokens = torch.where(born, candidates, block_tokens)
             x[:, P + lo : P + hi] = block_tokens
             birth[:, lo:hi].masked_fill_(born, t)
             if recorder is not None:
-                recorder.step(t, c, logits, masked, born, block_tokens)
+                recorder.step(
+                    t, c, logits, masked, born, block_tokens, sum(row[i] for row in counts)
+                )
             masked[:, lo:hi] &= ~born
 
     rollout = Rollout(

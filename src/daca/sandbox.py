@@ -462,7 +462,8 @@ def run_many(
 ) -> list[ExecResult]:
     """``run_python`` on each program (with its checks), at most ``workers`` at a time.
 
-    Results come back in the order of ``codes``. ``limits`` go to ``run_python``.
+    Results come back in the order of ``codes``; identical (program, checks) pairs - common in a
+    GRPO group - run once and share the result. ``limits`` go to ``run_python``.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -470,9 +471,11 @@ def run_many(
         checks = [()] * len(codes)
     if len(checks) != len(codes):
         raise ValueError(f"{len(codes)} programs but {len(checks)} lists of checks")
-    if not codes:
+    jobs = list(zip(codes, (tuple(c) for c in checks), strict=True))
+    unique = list(dict.fromkeys(jobs))
+    if not unique:
         return []
     isolation_available()  # probe (and warn) once, before the threads start
-    with ThreadPoolExecutor(max_workers=min(workers, len(codes))) as pool:
-        jobs = [pool.submit(run_python, c, k, **limits) for c, k in zip(codes, checks, strict=True)]
-        return [job.result() for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(workers, len(unique))) as pool:
+        futures = {job: pool.submit(run_python, job[0], job[1], **limits) for job in unique}
+        return [futures[job].result() for job in jobs]

@@ -67,7 +67,14 @@ class Trainer:
         hf_logging.disable_progress_bar()
         self.cfg = config
         cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-        self.acc = Accelerator(cpu=cpu, mixed_precision="bf16" if config.bf16 else "no")
+        # One scheduler step per optimizer step (accelerate's default steps it once per
+        # process); accumulate() skips the all-reduce (and DeepSpeed's step) between micro-batches.
+        self.acc = Accelerator(
+            cpu=cpu,
+            mixed_precision="bf16" if config.bf16 else "no",
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            step_scheduler_with_optimizer=False,
+        )
         validate(config, self.acc.num_processes)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.run_dir = Path(config.output_dir) / config.name
@@ -99,6 +106,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm)
         )
+        if self.acc.state.deepspeed_plugin is not None:
+            # No dataloader to infer these from; DeepSpeed clips gradients itself.
+            ds = self.acc.state.deepspeed_plugin.deepspeed_config
+            ds["train_micro_batch_size_per_gpu"] = config.per_device_train_batch_size
+            ds["gradient_clipping"] = config.max_grad_norm
         self.model, self.optimizer, self.scheduler = self.acc.prepare(
             self.bundle.model, self.optimizer, self.scheduler
         )
@@ -256,10 +268,15 @@ class Trainer:
         }
         for f, func in enumerate(self.task.reward_funcs):
             stats[f"reward/{getattr(func, '__name__', f)}"] = per_func[:, f].mean().item()
-        multipliers = None
+        multipliers, normed = None, None
         if cfg.dps.enabled:
-            multipliers, dstats = self._dps_multipliers(out)
+            multipliers, normed, dstats = self._dps_multipliers(out)
             stats.update(dstats)
+        every = cfg.save_rollouts_every
+        if micro == 0 and every and (step + 1) % every == 0 and self.acc.is_main_process:
+            self._record_rollout(
+                step + 1, prompts[:G], out, rewards[:G], adv[:G], multipliers, normed
+            )
         batch = RolloutBatch(
             prompt_ids=out.sequences[:, : out.prompt_length],
             prompt_mask=prompt_mask,
@@ -276,7 +293,7 @@ class Trainer:
         b.model = model
         return b
 
-    def _dps_multipliers(self, out) -> tuple[Tensor, dict]:
+    def _dps_multipliers(self, out) -> tuple[Tensor, Tensor, dict]:
         """δ from the trace, z-scored with the global batch's statistics (METHOD.md §2)."""
         cfg = self.cfg.dps
         deltas = dps.progress_deltas(
@@ -302,7 +319,33 @@ class Trainer:
             "dps/multiplier_max": mult.max().item(),
             "dps/multiplier_std": mult.std().item(),
         }
-        return mult, stats
+        return mult, normed, stats
+
+    def _record_rollout(self, step, prompts, out, rewards, adv, multipliers, normed) -> None:
+        """The first group of this step's rollout, for ``daca inspect``."""
+        G = len(prompts)
+        tok = self.bundle.tokenizer
+        record = {
+            "step": step,
+            "task": self.cfg.task,
+            "method": self.cfg.method,
+            "lam": self.cfg.dps.lam if self.cfg.dps.enabled else 0.0,
+            "prompts": prompts,
+            "tokens": [tok.convert_ids_to_tokens(r) for r in out.completion_ids[:G].tolist()],
+            "birth_step": out.birth_step[:G].tolist(),
+            "num_steps": out.num_steps,
+            "rewards": rewards.tolist(),
+            "advantages": adv.tolist(),
+        }
+        if multipliers is not None:
+            record["recorded_steps"] = out.recorded_steps.tolist()
+            record["multipliers"] = multipliers[:G].tolist()
+            record["norm_deltas"] = normed[:G].tolist()
+        folder = self.run_dir / "rollouts"
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f"step-{step:07d}.json.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(folder / f"step-{step:07d}.json")
 
     def _loss(self, batch: RolloutBatch, it: int, seed: int) -> tuple[Tensor, dict]:
         cfg = self.cfg
@@ -369,8 +412,10 @@ class Trainer:
         update_stats: list[dict] = []
         for it in range(mu):
             for m, batch in enumerate(batches):
-                loss, metrics = self._loss(batch, it, seeds[m][it])
-                self.acc.backward(loss / gas)
+                # accumulate() divides the loss by gas and syncs gradients on the last micro-batch.
+                with self.acc.accumulate(self.model):
+                    loss, metrics = self._loss(batch, it, seeds[m][it])
+                    self.acc.backward(loss)
                 metrics = {k: float(v) for k, v in metrics.items()}
                 metrics["loss"] = loss.item()
                 update_stats.append(metrics)
@@ -381,31 +426,50 @@ class Trainer:
         t1 = time.perf_counter()
         stats = _mean_dicts(stats_list)
         stats.update(_mean_dicts(update_stats))
-        stats["grad_norm"] = float(grad_norm)
+        stats["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
         stats["time_update"] = t1 - t0
         stats["lr"] = self.scheduler.get_last_lr()[0]
-        # Rewards of the global batch, so that every rank logs the same numbers.
         if self.world > 1:
-            r = self.acc.gather(torch.cat([b.rewards for b in batches]))
-            stats["reward"] = r.mean().item()
+            stats = self._global_stats(stats)
         self.step += 1
         stats["step"] = self.step
         return stats
+
+    def _global_stats(self, stats: dict) -> dict:
+        """The step's numbers over all processes (every rank logs the same): the extreme of
+        ``*_min``/``*_max`` and of times (the slowest rank), the mean of the rest (equal local
+        batches, so the mean of means is the global mean)."""
+        keys = sorted(stats)
+        local = torch.tensor([[float(stats[k]) for k in keys]], dtype=torch.float64)
+        every = self.acc.gather(local.to(self.acc.device)).cpu()  # [world, K]
+        out = {}
+        for i, k in enumerate(keys):
+            col = every[:, i]
+            if k.endswith("_min"):
+                out[k] = col.min().item()
+            elif k.endswith("_max") or k.startswith("time_"):
+                out[k] = col.max().item()
+            else:
+                out[k] = col.mean().item()
+        return out
 
     # ----------------------------------------------------------------- evaluation
     def evaluate(self) -> float:
         """Held-out metric at temperature 0, each rank scoring its share of the rows."""
         model = self.acc.unwrap_model(self.model)
         rows = self.eval_rows[self.rank :: self.world]
+        # Pad to equal counts: a sharded model (FSDP) runs collectives in every forward.
+        per_rank = -(-len(self.eval_rows) // self.world)
         res = evaluate(
             self.bundle_for(model),
             self.task,
-            rows,
+            rows + self.eval_rows[: per_rank - len(rows)],
             self.cfg.generation,
             batch_size=self.cfg.eval_batch_size,
             temperature=0.0,
         )
-        total = torch.tensor([sum(res.scores), len(res.scores)], dtype=torch.float64)
+        scores = res.scores[: len(rows)]
+        total = torch.tensor([sum(scores), len(scores)], dtype=torch.float64)
         if self.world > 1:
             total = self.acc.reduce(total.to(self.acc.device), reduction="sum").cpu()
         return (total[0] / total[1]).item()
@@ -417,10 +481,13 @@ class Trainer:
             "python": random.getstate(),
         }
         self.acc.wait_for_everyone()
+        # Every rank takes part: a sharded model (FSDP) gathers its full weights here.
+        weights = self.acc.get_state_dict(self.model)
         if self.acc.is_main_process:
 
             def write(folder: Path):
-                self.acc.unwrap_model(self.model).save_pretrained(folder / "model")
+                model = self.acc.unwrap_model(self.model)
+                model.save_pretrained(folder / "model", state_dict=weights)
                 torch.save(
                     {
                         "optimizer": self.optimizer.state_dict(),

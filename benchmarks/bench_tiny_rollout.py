@@ -1,0 +1,55 @@
+"""Rollout throughput of the shipped tiny model (completions per second), with and without
+DPS recording, at the default sampler settings (L 16, 8 steps, one block, temperature 0.9).
+
+    python benchmarks/bench_tiny_rollout.py [--batch 96] [--repeats 7] [--stride 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from daca.config import GenerationConfig
+from daca.evaluation import rollout
+from daca.models.loading import load
+from daca.tasks import get_task
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--stride", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bundle = load("tiny")
+    task = get_task("sudoku")
+    rows = task.load(split="train", limit=args.batch, seed=0)
+    gen = GenerationConfig()
+
+    def once(stride):
+        g = torch.Generator().manual_seed(0)
+        t = time.perf_counter()
+        rollout(bundle, task, rows, gen, generator=g, dps_stride=stride)
+        return time.perf_counter() - t
+
+    once(None), once(args.stride)  # warm-up
+    plain, traced = [], []
+    for _ in range(args.repeats):  # alternate so that machine noise hits both alike
+        plain.append(once(None))
+        traced.append(once(args.stride))
+    p, d = statistics.median(plain), statistics.median(traced)
+    print(f"batch {args.batch}, L {gen.gen_length}, {gen.steps} steps, block {gen.block_length}")
+    print(f"without DPS: {args.batch / p:8.1f} completions/s (median {p * 1e3:.1f} ms)")
+    print(
+        f"with DPS s={args.stride}: {args.batch / d:8.1f} completions/s (median {d * 1e3:.1f} ms)"
+    )
+    print(f"DPS recording time ratio: {d / p:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

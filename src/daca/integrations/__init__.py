@@ -1,0 +1,5 @@
+"""Adapters that plug the DACA method core into other trainers (optional extras).
+
+- ``daca.integrations.trl``: TRL's ``GRPOTrainer`` for masked diffusion LMs
+  (``pip install daca-grpo[trl]``, pinned to the TRL version whose internals it overrides).
+"""

@@ -1,0 +1,173 @@
+"""Format rewards of the reference reasoning format (METHOD.md §5), without the reference's
+defects; plus what the GSM8K, MATH-500, MBPP, HumanEval and JSON tasks share (completion text,
+fenced blocks, record loading).
+
+The d1 rewards check ``<reasoning>\\n...\\n</reasoning>\\n<answer>\\n...\\n</answer>``. Differences:
+
+- every pattern uses DOTALL, so multi-line reasoning and answers match;
+- strict format tolerates trailing whitespace after ``</answer>`` (a decoded diffusion
+  completion often ends right at the tag, which d1's ``\\n$`` rejects);
+- soft format tolerates leading whitespace;
+- xml-count: the tail penalty counts only text after ``</answer>`` (d1 charged the whole
+  completion when ``\\n</answer>\\n`` was missing, and paid +0.001 when nothing followed the tag),
+  and each of the four parts stays in [0, 0.125], so the reward is in [0, 0.5].
+
+Reward functions have TRL's signature ``f(prompts, completions, **columns) -> list[float]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from daca.tasks.common import answer_tag_span
+
+STRICT_FORMAT_RE = re.compile(
+    r"<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\s*", re.DOTALL
+)
+SOFT_FORMAT_RE = re.compile(r"\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
+_FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+FORMAT_REWARD = 0.5
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string, a message dict, or a TRL conversation (a list of
+    ``{"role", "content"}`` messages, whose last message is the completion)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    if isinstance(completion, list | tuple):
+        return completion_text(completion[-1]) if completion else ""
+    raise ValueError(f"a completion must be a string or a list of messages, got {completion!r}")
+
+
+def completion_texts(completions) -> list[str]:
+    return [completion_text(c) for c in completions]
+
+
+def strict_format_reward(prompts, completions, **columns) -> list[float]:
+    """0.5 when the completion is exactly reasoning then answer, tags on their own lines."""
+    texts = completion_texts(completions)
+    return [FORMAT_REWARD * bool(STRICT_FORMAT_RE.fullmatch(t)) for t in texts]
+
+
+def soft_format_reward(prompts, completions, **columns) -> list[float]:
+    """0.5 when the completion starts with a reasoning block followed by an answer block."""
+    texts = completion_texts(completions)
+    return [FORMAT_REWARD * bool(SOFT_FORMAT_RE.match(t)) for t in texts]
+
+
+def count_xml(text: str) -> float:
+    """d1's xml-count: 0.125 per well-formed tag line, minus 0.001 per character after the
+    answer (on the two answer tags); each part clamped to [0, 0.125]."""
+    tail = text.split("\n</answer>")[-1] if "\n</answer>" in text else ""
+    extra = len(tail[1:] if tail.startswith("\n") else tail)
+    part, penalised = 0.125, max(0.0, 0.125 - 0.001 * extra)
+    return (
+        part * (text.count("<reasoning>\n") == 1)
+        + part * (text.count("\n</reasoning>\n") == 1)
+        + penalised * (text.count("\n<answer>\n") == 1)
+        + penalised * (text.count("\n</answer>") == 1)
+    )
+
+
+def xmlcount_reward(prompts, completions, **columns) -> list[float]:
+    """``count_xml`` of each completion, in [0, 0.5]."""
+    return [count_xml(t) for t in completion_texts(completions)]
+
+
+def fenced_blocks(text: str, languages: tuple[str, ...] = ()) -> list[str]:
+    """Bodies of the fenced ``` blocks in ``text``, in order; with ``languages``, only blocks
+    tagged with one of them (case-insensitive; an untagged block counts as any language)."""
+    wanted = {lang.lower() for lang in languages}
+    return [
+        body
+        for lang, body in _FENCE_RE.findall(text)
+        if not wanted or not lang or lang.lower() in wanted
+    ]
+
+
+PYTHON_TAGS = ("python", "py", "python3")
+
+
+def extract_code(text: str) -> str:
+    """The program in a completion: the last python (or untagged) fenced block inside the
+    answer tags, else the last one anywhere, else the answer tags' text, else all the text."""
+    span = answer_tag_span(text)
+    for where in (span, text):
+        blocks = fenced_blocks(where, PYTHON_TAGS) if where else []
+        if blocks:
+            return blocks[-1]
+    return span if span is not None else text
+
+
+def answer_block_reward(languages: tuple[str, ...], name: str):
+    """A reward of 0.5 when the answer tags hold a fenced block in one of ``languages``
+    (d1's code reward pays this for a python block inside the answer)."""
+
+    def reward(prompts, completions, **columns) -> list[float]:
+        spans = (answer_tag_span(t) for t in completion_texts(completions))
+        return [FORMAT_REWARD * bool(s and fenced_blocks(s, languages)) for s in spans]
+
+    reward.__name__ = reward.__qualname__ = name
+    return reward
+
+
+def read_records(path: str | os.PathLike, required: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """The objects of a JSONL file (``.gz`` too), or of a file holding one JSON list.
+
+    Blank lines are skipped; bad JSON, a non-object or a missing ``required`` key raises
+    ValueError naming the file and line (or the list index).
+    """
+    required = tuple(required)
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            where = f"{os.fspath(path)}, line {e.lineno}"
+            raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+        numbered = [(f"item {i}", item) for i, item in enumerate(items)]
+    else:
+        numbered = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    numbered.append((f"line {lineno}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    where = f"{os.fspath(path)}, line {lineno}"
+                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+    rows = []
+    for where, item in numbered:
+        if not isinstance(item, dict):
+            raise ValueError(f"{os.fspath(path)}, {where}: expected a JSON object")
+        missing = [k for k in required if k not in item]
+        if missing:
+            raise ValueError(f"{os.fspath(path)}, {where}: missing {', '.join(missing)}")
+        rows.append(item)
+    return rows
+
+
+def hub_rows(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
+    """Rows of a Hugging Face dataset via ``datasets`` (imported here: an optional dependency)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise RuntimeError(
+            f"loading {name} from the Hugging Face hub needs `datasets` "
+            "(pip install 'daca-grpo[tasks]'), or pass a local file with path=..."
+        ) from e
+    try:
+        return [dict(r) for r in datasets.load_dataset(name, config, split=split)]
+    except Exception as e:  # noqa: BLE001 - offline, unknown split, ...: say what to do
+        raise RuntimeError(
+            f"could not load {name} ({config}, split {split!r}) from the Hugging Face hub "
+            f"({type(e).__name__}: {e}); without network pass a local file with path=..."
+        ) from e

@@ -1,0 +1,87 @@
+"""One rank of the 2-process trainer test (tests/test_distributed.py), started by
+``accelerate launch``. It runs ``daca.train`` for a few steps and writes what each rank saw to
+``OUT/rank{r}.pt``: final parameters, the prompts it drew, the deltas DPS normalised and
+its own local deltas, and the summary.
+
+Usage: accelerate launch --config_file configs/accelerate/cpu_2proc.yaml
+       tests/_distributed_worker.py OUT key=value ...
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from daca import dps
+from daca.config import load_config
+from daca.tasks import Task, get_task, register_task
+from daca.trainer import Trainer
+
+
+def _ones_task() -> Task:
+    """Sudoku prompts with a reward a random model can move: the share of '1' characters."""
+    sudoku = get_task("sudoku")
+
+    def ones(prompts, completions, **kw):
+        return [c.count("1") / 16 for c in completions]
+
+    return Task(
+        name="ones",
+        load=sudoku.load,
+        chat_prompt=sudoku.chat_prompt,
+        compact_prompt=sudoku.compact_prompt,
+        reward_funcs=[ones],
+        score=lambda completions, **kw: ones(None, completions),
+        columns=sudoku.columns,
+    )
+
+
+def main(out: Path, overrides: list[str]) -> None:
+    torch.set_num_threads(1)
+    register_task("ones", _ones_task)
+    record: dict[str, list] = {"prompts": [], "normalized_input": [], "local_deltas": []}
+
+    # Spy on what the trainer hands to DPS and which prompts it draws (same calls, same results).
+    normalize, progress_deltas = dps.normalize, dps.progress_deltas
+
+    def spy_normalize(deltas, *args, **kw):
+        record["normalized_input"].append(deltas.detach().cpu().clone())
+        return normalize(deltas, *args, **kw)
+
+    def spy_progress_deltas(*args, **kw):
+        deltas = progress_deltas(*args, **kw)
+        record["local_deltas"].append(deltas.detach().cpu().clone())
+        return deltas
+
+    dps.normalize, dps.progress_deltas = spy_normalize, spy_progress_deltas
+    prompts_for = Trainer._prompts_for
+
+    def spy_prompts_for(self, step, micro):
+        rows = prompts_for(self, step, micro)
+        record["prompts"].append([str(sorted(r.items())) for r in rows])
+        return rows
+
+    Trainer._prompts_for = spy_prompts_for
+
+    trainer = Trainer(load_config(None, overrides), progress=False)
+    model = trainer.acc.unwrap_model(trainer.model)
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    summary = trainer.train()
+    torch.save(
+        {
+            "rank": trainer.rank,
+            "world": trainer.world,
+            "before": before,
+            "after": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "summary": summary,
+            "history": trainer.history,
+            **record,
+        },
+        out / f"rank{trainer.rank}.pt",
+    )
+    trainer.acc.wait_for_everyone()
+    trainer.acc.end_training()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

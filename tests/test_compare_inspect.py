@@ -1,0 +1,101 @@
+"""Grid bookkeeping of ``daca compare`` and the pictures of ``daca inspect``."""
+
+import json
+
+import pytest
+
+from daca import compare
+from daca.cli import main
+
+
+@pytest.fixture
+def grid(tiny_model_dir, tmp_path):
+    extra = (
+        f"model={tiny_model_dir}",
+        "per_device_train_batch_size=12",
+        "train_size=24",
+        "eval_size=6",
+        "eval_every=1",
+        "tensorboard=false",
+        "generation.steps=4",
+        "dps.stride=1",
+        "save_rollouts_every=1",
+    )
+    kwargs = dict(
+        task="sudoku",
+        methods=["wd1", "diffu_grpo"],
+        variants=compare.parse_variants("base,dps"),
+        seeds=1,
+        steps=2,
+        out=tmp_path / "grid",
+        overrides=extra,
+        progress=False,
+    )
+    return kwargs
+
+
+def test_grid_runs_skips_finished_cells_and_tabulates_means(grid, tmp_path):
+    logs = []
+    results = compare.run_grid(**grid, log=logs.append)
+    assert len(results) == 4 and sum("running" in x for x in logs) == 4
+    # A second call runs nothing and reports the same numbers.
+    logs.clear()
+    again = compare.run_grid(**grid, log=logs.append)
+    assert sum("skipped" in x for x in logs) == 4
+    assert [r["held_out"] for r in again] == [r["held_out"] for r in results]
+    # The table's numbers are the means of the runs' own summaries.
+    rows = compare.table_rows(results)
+    for row in rows:
+        name = f"{row['method']}-{row['variant']}-seed0"
+        summary = json.loads((grid["out"] / "runs" / name / "summary.json").read_text())
+        assert row["mean"] == summary["held_out_after"] and row["std"] == 0.0
+    base = {r["method"]: r["mean"] for r in rows if r["variant"] == "base"}
+    for row in rows:
+        assert row["delta"] == pytest.approx(row["mean"] - base[row["method"]])
+    md = (grid["out"] / "sudoku-table.md").read_text()
+    assert md.count("\n") == 2 + 4
+    assert (grid["out"] / "sudoku-curves.png").is_file()
+    assert (grid["out"] / "sudoku-bars.png").is_file()
+
+
+def test_interrupted_cell_resumes(grid):
+    compare.run_grid(**grid)
+    run = grid["out"] / "runs" / "wd1-dps-seed0"
+    (run / "summary.json").unlink()  # as if killed after its last checkpoint
+    logs = []
+    compare.run_grid(**grid, log=logs.append)
+    assert any("wd1-dps-seed0: resuming" in x for x in logs)
+    assert sum("skipped" in x for x in logs) == 3
+
+
+def test_table_statistics_by_hand():
+    results = [
+        {"method": "wd1", "variant": "base", "held_out": 0.4},
+        {"method": "wd1", "variant": "base", "held_out": 0.6},
+        {"method": "wd1", "variant": "dps", "held_out": 0.7},
+        {"method": "wd1", "variant": "dps", "held_out": 0.5},
+        {"method": "wd1", "variant": "dps", "held_out": 0.9},
+    ]
+    rows = {r["variant"]: r for r in compare.table_rows(results)}
+    assert rows["base"]["mean"] == pytest.approx(0.5) and rows["base"]["std"] == pytest.approx(0.1)
+    assert rows["dps"]["mean"] == pytest.approx(0.7)
+    assert rows["dps"]["std"] == pytest.approx((0.08 / 3) ** 0.5)
+    assert rows["dps"]["delta"] == pytest.approx(0.2)
+
+
+def test_custom_variants_and_errors():
+    v = compare.parse_variants("base,raw:dps.enabled=true;dps.last_step=raw")
+    assert v["raw"] == ["dps.enabled=true", "dps.last_step=raw"]
+    with pytest.raises(ValueError, match="unknown variant 'dsp'"):
+        compare.parse_variants("dsp")
+
+
+def test_inspect_renders_png_and_html(grid, capsys):
+    compare.run_grid(**grid)
+    run = grid["out"] / "runs" / "wd1-dps-seed0"
+    assert main(["inspect", str(run), "--step", "2"]) == 0
+    page = (run / "inspect" / "rollout-step-2.html").read_text()
+    assert page.count("<tr>") == 1 + 6 and "multiplier" in page
+    assert (run / "inspect" / "rollout-step-2.png").stat().st_size > 1000
+    assert main(["inspect", str(run), "--step", "99"]) == 2
+    assert "recorded: [1, 2]" in capsys.readouterr().err

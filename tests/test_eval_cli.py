@@ -1,0 +1,92 @@
+"""``daca eval`` and ``daca sample`` on a tiny model and the public file formats."""
+
+import json
+
+from daca.cli import main
+from daca.tasks.files import write_countdown_jsonl, write_sudoku_csv
+from daca.tasks.sudoku import generate_puzzles
+
+
+def test_eval_reads_public_sudoku_csv_and_writes_jsonl(tiny_model_dir, tmp_path, capsys):
+    rows = generate_puzzles(6, split="test", seed=1)
+    data = tmp_path / "sudoku.csv"
+    write_sudoku_csv(data, rows)
+    out = tmp_path / "out.jsonl"
+    code = main(
+        [
+            "eval",
+            "--task",
+            "sudoku",
+            "--model",
+            str(tiny_model_dir),
+            "--data-file",
+            str(data),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--gen-length",
+            "16",
+            "--steps",
+            "4",
+            "--block-length",
+            "16",
+        ]
+    )
+    assert code == 0
+    lines = [json.loads(x) for x in out.open()]
+    assert [x["prompt"] for x in lines] == [r["puzzle"] + "=" for r in rows]
+    assert all(0.0 <= x["score"] <= 1.0 for x in lines)
+    mean = sum(x["score"] for x in lines) / len(lines)
+    assert f"sudoku: {mean:.4f} ±" in capsys.readouterr().out
+
+
+def test_eval_limit_and_countdown_jsonl(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "cd.jsonl"
+    write_countdown_jsonl(
+        data, [{"numbers": [3, 5, 7], "target": 22}, {"numbers": [2, 4, 6], "target": 48}]
+    )
+    out = tmp_path / "o.jsonl"
+    assert (
+        main(
+            [
+                "eval",
+                "--task",
+                "countdown",
+                "--model",
+                str(tiny_model_dir),
+                "--data-file",
+                str(data),
+                "--limit",
+                "1",
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    assert len(out.read_text().splitlines()) == 1
+    assert "n=1" in capsys.readouterr().out
+
+
+def test_sample_prints_answers(tiny_model_dir, capsys):
+    assert (
+        main(
+            [
+                "sample",
+                "--task",
+                "sudoku",
+                "--model",
+                str(tiny_model_dir),
+                "-n",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("completion:") == 2 and "mean score" in out
