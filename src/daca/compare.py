@@ -8,6 +8,7 @@ the difference to the method's base row, like the paper's main table.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import statistics
@@ -178,10 +179,8 @@ def write_reports(results: list[dict], out: Path, task: str) -> None:
         )
     (out / f"{task}-table.md").write_text("\n".join(lines) + "\n")
     (out / f"{task}-results.json").write_text(json.dumps(results, indent=1) + "\n")
-    try:
+    with contextlib.suppress(ImportError):  # matplotlib is an extra: tables only without it
         _plots(results, rows, out, task)
-    except ImportError:
-        pass
 
 
 def _plots(results, rows, out: Path, task: str) -> None:

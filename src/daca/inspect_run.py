@@ -120,7 +120,8 @@ def render_html(rec: dict, path: Path, png_name: str) -> None:
     page = f"""<!doctype html><meta charset="utf-8"><title>daca inspect, step {rec["step"]}</title>
 <style>body{{font-family:sans-serif}} .t span{{font-family:monospace;padding:2px 3px;margin:1px;
 display:inline-block}} sub{{color:#666;font-size:60%}} td{{padding:4px 8px}}</style>
-<h3>Step {rec["step"]}: {html.escape(rec["task"])}, {html.escape(rec["method"])}, λ = {rec["lam"]}</h3>
+<h3>Step {rec["step"]}: {html.escape(rec["task"])}, {html.escape(rec["method"])},
+λ = {rec["lam"]}</h3>
 <p>Each token is coloured by its DPS multiplier (red above 1, blue below; range {lo:.3f} to
 {hi:.3f}); the subscript is the denoising step that committed it. Hover for values.</p>
 <table><tr><th>prompt</th><th>completion</th><th>reward</th><th>advantage</th></tr>
