@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -177,13 +178,17 @@ def test_math_equal_from_a_thread_matches_main_thread():
                 _worker._proc.kill()
                 _worker._proc.wait()
             out["after_kill"] = [math_equal(g, p) for g, p in cases]
+            start = time.monotonic()
+            out["huge"] = math_equal("3", "9^{9^{9^{9}}}", timeout=1)  # bounded, not hung
+            out["huge_seconds_ok"] = time.monotonic() - start < 10
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join(timeout=120)
-    assert not errors and out == {"first": main, "after_kill": main}
+    assert not errors
+    assert out == {"first": main, "after_kill": main, "huge": False, "huge_seconds_ok": True}
 
 
 def test_math500_rewards_by_hand():

@@ -12,6 +12,12 @@ from daca.sampler import generate, top_confidence_mask, transfer_schedule
 V, MASK, PAD = 32, 31, 0
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(_few_threads):
+    """Tiny models: one thread is faster than two on a shared CPU (conftest resets it per test)."""
+    torch.set_num_threads(1)
+
+
 class Recorded:
     """A model that never predicts the mask token (as a trained one) and records each call."""
 

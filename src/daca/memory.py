@@ -1,12 +1,131 @@
-"""A rough GPU-memory estimate per device for ``daca train --dry-run``."""
+"""GPU-memory estimate per device for ``daca train --dry-run``, from the config alone.
+
+The model's size comes from ``daca.models.families.model_shape`` (a folder's config.json, a
+built-in table of known families, or the hub cache); nothing is loaded. The estimate follows
+the trainer's phases: a rollout (no gradients: the forward's logits and the DPS trace) and an
+update (activations of every forward in the loss, the log-softmax rows it keeps), on top of the
+weights and the trainable state that live throughout. It is a planning number (±30 %), not a
+measurement; ``benchmarks/gpu_smoke.sh`` prints measured peaks.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from daca.config import TrainConfig
+
+PROMPT_TOKENS = 256  # assumed prompt length (d1 truncates prompts at 200 tokens)
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + double-quantised absmax per 64-block
+GIB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device, by part; ``peak`` = resident + the larger of the two phases."""
+
+    model: str
+    source: str
+    parameters: int
+    trainable: int
+    resident: dict[str, float] = field(default_factory=dict)  # weights, trainable state
+    rollout: dict[str, float] = field(default_factory=dict)
+    update: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return sum(self.resident.values()) + max(
+            sum(self.rollout.values()), sum(self.update.values())
+        )
+
+
+def dps_trace_rows(gen_length: int, steps: int, block_length: int, stride: int, scope: str):
+    """Peak held log-probability rows per sequence (``daca.sampler.TraceRecorder``):
+    "all": L (T + s − 1)² / (4 s T); "block": b (k + s − 1)² / (4 s k) with k = T / (L / b)."""
+    if scope == "all":
+        return gen_length * (steps + stride - 1) ** 2 / (4 * stride * steps)
+    k = steps // (gen_length // block_length)
+    return block_length * (k + stride - 1) ** 2 / (4 * stride * k)
+
+
+def estimate(cfg: TrainConfig) -> MemoryEstimate:
+    """The memory estimate for ``cfg`` (raises LookupError for an unknown model)."""
+    from daca.models.families import model_shape
+
+    shape, source = model_shape(cfg.model)
+    g = cfg.generation
+    b = cfg.per_device_train_batch_size  # completions per forward, in rollout and update
+    T = PROMPT_TOKENS + g.gen_length
+    act = 2 if cfg.bf16 else 4  # bytes per activation / logit entry
+    h, V, layers = shape.hidden, shape.vocab, shape.layers
+    est = MemoryEstimate(cfg.model, source, shape.parameters, 0)
+
+    # Weights: NF4 for the layers' projections (embeddings and head stay bf16), else bf16/fp32.
+    if cfg.load_in_4bit:
+        weights = shape.linear_parameters * NF4_BYTES + shape.embedding_parameters * 2
+        kind = "4-bit NF4, embeddings bf16"
+    else:
+        weights = shape.parameters * act
+        kind = "bf16" if cfg.bf16 else "fp32"
+    est.resident[f"weights ({kind})"] = weights
+    if cfg.lora.enabled:
+        # PEFT keeps adapters in fp32: weights, gradients and two AdamW moments, 4 bytes each.
+        est.trainable = shape.lora_parameters(cfg.lora.r)
+        est.resident[f"LoRA r={cfg.lora.r} + gradients + AdamW (fp32)"] = est.trainable * 16
+    else:
+        est.trainable = shape.parameters
+        est.resident["gradients + AdamW moments"] = shape.parameters * act * 3
+        if cfg.beta > 0:
+            est.resident["frozen reference copy"] = weights
+
+    # Rollout: each denoising step's logits over the sequence (twice with CFG), the DPS trace.
+    cfg_factor = 2 if g.cfg_scale > 0 else 1
+    est.rollout["rollout logits (one denoising step)"] = cfg_factor * b * T * V * act
+    if cfg.dps.enabled:
+        rows = dps_trace_rows(g.gen_length, g.steps, g.block_length, cfg.dps.stride, cfg.dps.scope)
+        est.rollout[f"DPS trace (peak, scope {cfg.dps.scope}, s={cfg.dps.stride})"] = (
+            b * rows * (V * act + 4)
+        )
+
+    # Update: every forward of the loss keeps its activations until the backward. Per token and
+    # layer ~10 hidden-sized and 4 MLP-sized tensors; with checkpointing, the layer inputs only,
+    # plus one layer recomputed at a time.
+    per_layer = act * (10 * h + 4 * shape.mlp)
+    if cfg.gradient_checkpointing:
+        per_forward, recompute = b * T * layers * act * h, b * T * per_layer
+    else:
+        per_forward, recompute = b * T * layers * per_layer, 0
+    # Each estimator stacks its views in one forward (GDPO: one per quadrature node; SML: K):
+    # the largest stacked forward's logits exist at a time; the log-softmax rows of the scored
+    # positions are kept in fp32 with their gradient (8 bytes per entry).
+    nodes = int(cfg.quadrature.split("-")[1]) if cfg.method == "gdpo" else 1
+    scored = nodes / 2 if cfg.method == "gdpo" else 1  # GDPO masks t·L at node t; Σ t = n / 2
+    K = cfg.sml.num_strata if cfg.sml.enabled else 0
+    est.update[f"activations ({nodes} forward{'s' * (nodes > 1)})"] = (
+        nodes * per_forward + recompute
+    )
+    est.update["logits of the largest stacked forward"] = max(nodes, K) * b * T * V * act
+    est.update["log-softmax rows + gradients (fp32)"] = scored * b * g.gen_length * V * 8
+    if K:  # K views, each scoring 1/K of the completion
+        est.update[f"SML views (K={K}: activations + rows)"] = (
+            K * per_forward + b * g.gen_length * V * 8
+        )
+    return est
 
 
 def estimate_text(cfg: TrainConfig) -> str:
-    """Explain that the estimate needs the model's size; filled in for known families."""
-    from daca.models.families import estimate_memory
-
-    return estimate_memory(cfg)
+    """The estimate as printed by ``daca train --dry-run`` (or why there is none)."""
+    try:
+        est = estimate(cfg)
+    except (LookupError, FileNotFoundError, OSError, ValueError) as e:
+        return f"memory estimate unavailable: {e}"
+    g = cfg.generation
+    lines = [
+        f"estimated GPU memory per device for {est.model} ({est.parameters / 1e9:.2f} B "
+        f"parameters, {est.trainable / 1e6:.1f} M trainable; shape from {est.source}), "
+        f"{cfg.per_device_train_batch_size} completions of {PROMPT_TOKENS} prompt (assumed) + "
+        f"{g.gen_length} tokens:"
+    ]
+    for title, part in (("", est.resident), ("rollout: ", est.rollout), ("update: ", est.update)):
+        lines += [f"  {title + k:58s} {v / GIB:8.2f} GiB" for k, v in part.items()]
+    lines.append(f"  {'peak (resident + larger phase), ±30 %':58s} {est.peak / GIB:8.2f} GiB")
+    return "\n".join(lines)

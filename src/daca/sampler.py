@@ -108,10 +108,9 @@ def top_confidence_mask(confidence: Tensor, counts: list[int]) -> Tensor:
     return commit
 
 
-def token_logp(logits: Tensor, tokens: Tensor, lse: Tensor | None = None) -> Tensor:
+def token_logp(logits: Tensor, tokens: Tensor) -> Tensor:
     """log softmax(logits)[token] at temperature 1, in float32: [..., V], [...] -> [...]."""
-    if lse is None:
-        lse = torch.logsumexp(logits.float(), dim=-1)
+    lse = torch.logsumexp(logits.float(), dim=-1)
     return logits.gather(-1, tokens[..., None]).squeeze(-1).float() - lse
 
 
@@ -183,13 +182,8 @@ class TraceRecorder:
         scope: str,
         device: torch.device,
     ):
-        self.L, self.bl, self.T, self.s, self.scope = (
-            gen_length,
-            block_length,
-            num_steps,
-            stride,
-            scope,
-        )
+        self.L, self.bl, self.T = gen_length, block_length, num_steps
+        self.s, self.scope = stride, scope
         self.recorded_steps = torch.arange(0, num_steps, stride, device=device)
         R = self.recorded_steps.numel()
         self.progress_logp = torch.zeros(batch, R, gen_length, dtype=torch.float32, device=device)
@@ -308,10 +302,10 @@ def generate(
     prompt masked), draws candidates (`gumbel_argmax`), scores them (`candidate_confidence`) and
     commits the most confident masked positions of the current block; a committed position is
     never re-masked. With temperature 0 and low_confidence this commits the same tokens in the
-    same order as LLaDA's `generate`; softmax and noise are computed on the current block only,
-    which changes no committed token. All randomness comes from `generator` (on the model's
-    device). A position is committed once even if its candidate is mask_id (LLaDA would then
-    treat it as still masked; a trained model never predicts the mask token).
+    same order as LLaDA's `generate`; softmax and noise are computed only on the masked positions
+    of the current block, which changes no committed token. All randomness comes from
+    `generator` (on the model's device). A position is committed once even if its candidate is
+    mask_id (LLaDA would then treat it as still masked; a trained model never predicts it).
 
     dps_stride=s records the DPS trace (METHOD.md §2) at recorded steps r_j = j*s, in scope
     dps_scope ("all" or "block"), without an extra forward (`TraceRecorder`). The model's
@@ -379,18 +373,15 @@ def generate(
             else:
                 logits = forward_logits(model, x, attn)[:, P + lo : end]
             # candidates and confidences only where they can be committed: masked block positions
-            open_ = masked[:, lo:hi]
-            cand_logits = logits[:, :bl][open_]  # [N, V]
+            open_block = masked[:, lo:hi]
+            cand_logits = logits[:, :bl][open_block]  # [N, V], N masked positions in row order
             x0 = gumbel_argmax(cand_logits, temperature, generator)
             conf = candidate_confidence(cand_logits, x0, remasking, generator)
             confidence = torch.full((B, bl), -math.inf, dtype=conf.dtype, device=device)
-            confidence[open_] = conf
+            confidence[open_block] = conf
             born = top_confidence_mask(confidence, [row[i] for row in counts])
-            block_tokens = x[:, P + lo : P + hi].clone()
-            candidates = block_tokens.clone()
-            candidates[open_] = x0
-            block_tokens = torch.where(born, candidates, block_tokens)
-            x[:, P + lo : P + hi] = block_tokens
+            block_tokens = x[:, P + lo : P + hi]  # a view: committing writes into x
+            block_tokens[born] = x0[born[open_block]]
             birth[:, lo:hi].masked_fill_(born, t)
             if recorder is not None:
                 recorder.step(
@@ -405,10 +396,8 @@ def generate(
         if recorder.groups:  # every position is born, so nothing may remain held
             raise RuntimeError("trace recorder still holds rows after the last step")
         rollout.recorded_steps = recorder.recorded_steps
-        rollout.progress_logp, rollout.progress_mask = (
-            recorder.progress_logp,
-            recorder.progress_mask,
-        )
+        rollout.progress_logp = recorder.progress_logp
+        rollout.progress_mask = recorder.progress_mask
         rollout.last_logp, rollout.last_mask = recorder.last_logp, recorder.last_mask
         rollout.trace_peak_bytes = recorder.peak_bytes
     return rollout

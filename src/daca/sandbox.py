@@ -2,8 +2,9 @@
 
 Isolation with bubblewrap (``bwrap``), the default when it works on this machine:
 
-- the sandbox runs as an unprivileged uid of its own (root picks a fresh one per run, so
-  ``RLIMIT_NPROC`` - which Linux does not enforce for root - counts only that run's tasks);
+- the sandbox runs as an unprivileged uid (as root: one of 20000 spare uids, different for
+  concurrent runs, so that ``RLIMIT_NPROC`` - which Linux does not enforce for root - counts
+  only that run's tasks; otherwise our own uid, with the limit raised by our current count);
 - new user, pid, network, ipc, uts and cgroup namespaces: no network at all (not even the
   host's loopback), no view of or signal to host processes; the whole pid namespace dies with
   its init when the run ends or is killed (``--die-with-parent``), ``--new-session`` (no tty);
@@ -22,10 +23,11 @@ files the uid owns (all of the user's files when not root), or a daemon escaping
 group when not root. A warning says so once per process.
 
 Verdicts cannot be forged by exiting early: the trusted launcher runs the program and then
-each check, and writes one line per stage, tagged with a random nonce, to a result file the
-program has no path to. ``sys.exit``/``os._exit`` in the program stops those lines, so the
-run fails. (Deliberate introspection of the launcher's frame could find the nonce; this guards
-against accidents and easy reward hacks, not against an adversary inside the interpreter.)
+each check, and writes one line per stage to a result file (an inherited descriptor); only lines
+tagged with a random nonce, given to the launcher on stdin, count. ``sys.exit``/``os._exit`` in
+the program stops those lines, so the run fails. (Deliberate introspection of the launcher's
+frame could find the nonce: this guards against accidents and easy reward hacks, not against
+an adversary inside the interpreter.)
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def _guard():
         for name in ("socket", "socketpair", "fromfd", "create_connection", "create_server"):
             if hasattr(module, name):
                 setattr(module, name, no_network)
-    real_kill, real_killpg, me = os.kill, os.killpg, os.getpid()
+    real_kill, me = os.kill, os.getpid()
     def kill(pid, sig):
         if pid != me:
             raise PermissionError("signals to other processes are disabled in the sandbox")

@@ -150,7 +150,9 @@ class Trainer:
         else:
             bundle = load(cfg.model, device=self.acc.device, dtype=dtype)
         if cfg.gradient_checkpointing:
-            bundle.model.gradient_checkpointing_enable()
+            from daca.models.families import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(bundle.model)
         if cfg.lora.enabled:
             from peft import LoraConfig, get_peft_model
 
@@ -389,6 +391,8 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
         gas, mu = cfg.gradient_accumulation_steps, cfg.num_iterations
+        # accelerate keeps this in a process-wide singleton: another Trainer may have changed it.
+        self.acc.gradient_accumulation_steps = gas
         batches, stats_list = [], []
         for micro in range(gas):
             batch, stats = self._make_rollout(step, micro)

@@ -15,6 +15,7 @@ This module imports nothing from ``daca`` so that the worker can load it by path
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import re
@@ -118,31 +119,60 @@ class _Worker:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
+            self._proc.stdin.close()
+            self._proc.stdout.close()
             self._proc = None
+
+    def close(self) -> None:
+        """Let the worker finish (end of its input), killing it if it does not."""
+        with self._lock:
+            if self._proc is not None:
+                self._proc.stdin.close()
+                try:
+                    self._proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                self._proc.stdout.close()
+                self._proc = None
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", self._CODE, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        if self._readline(120.0) != "ready\n":
+            self._stop()
+            raise RuntimeError("the math-verify worker process did not start")
 
     def check(self, gold: str, pred: str, seconds: int) -> bool:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-c", self._CODE, __file__],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                )
-                if self._readline(120.0) != "ready\n":
+            for _ in range(2):  # one retry when the worker had died
+                if self._proc is not None and self._proc.poll() is not None:
+                    self._stop()  # release its pipes, start a new one
+                if self._proc is None:
+                    self._start()
+                try:
+                    self._proc.stdin.write(json.dumps([gold, pred, seconds]) + "\n")
+                    self._proc.stdin.flush()
+                except OSError:  # it died since the poll
                     self._stop()
-                    raise RuntimeError("the math-verify worker process did not start")
-            self._proc.stdin.write(json.dumps([gold, pred, seconds]) + "\n")
-            self._proc.stdin.flush()
-            answer = self._readline(seconds + 2.0)
-            if answer is None:  # stuck beyond math-verify's own timeout: restart it
-                self._stop()
-                return False
-            return json.loads(answer) is True
+                    continue
+                answer = self._readline(seconds + 2.0)
+                if answer is None:  # stuck beyond math-verify's own timeout: not equal
+                    self._stop()
+                    return False
+                if answer:
+                    return json.loads(answer) is True
+                self._stop()  # end of file: it died during the check
+            return False
 
 
 _worker = _Worker()
+atexit.register(_worker.close)
 
 
 def math_equal(gold: str, pred: str | None, *, timeout: float = 5.0) -> bool:

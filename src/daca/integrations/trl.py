@@ -1,0 +1,548 @@
+"""DACA-GRPO inside TRL's ``GRPOTrainer`` (METHOD.md §2-§4), for masked diffusion LMs.
+
+``DACAGRPOTrainer`` keeps TRL's data pipeline, reward functions, group advantages, PPO-style
+loss, logging and checkpointing, and swaps in the three things a masked diffusion LM needs:
+
+- generation: the core sampler ``daca.generate`` (METHOD.md §1, with the DPS trace), never
+  ``model.generate``, which would decode left to right;
+- per-token log-probs: the core estimators, mean-field ℓ^MF (prompt tokens masked with
+  ``p_mask_prompt``, whole completion masked) or the SML-enriched ½(ℓ^MF + ℓ^SML) (METHOD.md §4);
+  the masks of inner iteration k are drawn once per rollout and shared by the current, old and
+  reference policies (each row carries its own masks through TRL's shuffling and splitting);
+- advantages: TRL's group advantage A times the DPS multiplier (1 + λ δ̄_{J(n)}) of each token
+  (METHOD.md §2), passed to TRL's loss as a [B, L] tensor, which TRL's ``_compute_loss`` accepts.
+
+TRL internals overridden (private, hence the exact pin ``trl==1.16.0``):
+``_generate_single_turn`` (the sampler), ``_generate`` (full completions and the loss mask),
+``_generate_and_score_completions`` (DPS, per-iteration old/reference log-probs),
+``_get_per_token_logps_and_entropies`` (the estimators), ``_compute_loss`` (selects the
+inner iteration's masks, then runs TRL's own loss unchanged) and ``_save`` (``daca.json``).
+
+Completions are kept at their full length L as the sampler produced them (the likelihood views
+need every position); tokens after the first end-of-sequence token are left out of the loss
+through TRL's ``tool_mask`` (TRL's mask of tokens the policy is not trained on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+try:
+    import trl
+    from transformers import GenerationConfig
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+    from trl.trainer.utils import use_adapter
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "daca.integrations.trl needs TRL: pip install 'daca-grpo[trl]' (trl==1.16.0)"
+    ) from e
+
+from daca.dps import LAST_STEP_MODES, NORM_AXES, normalize, progress_deltas, token_multipliers
+from daca.likelihood import (
+    STRATA,
+    elbo_token_terms_from_masks,
+    mean_field_logp,
+    strata_assignment,
+)
+from daca.models import loading
+from daca.models.loading import LoadedModel, forward_adapters, install_forward_adapter, load
+from daca.objectives import sml_enriched
+from daca.sampler import REMASKING, SCOPES, generate
+
+TRL_VERSION = "1.16.0"
+if trl.__version__ != TRL_VERSION:
+    raise ImportError(
+        f"daca.integrations.trl overrides private methods of TRL {TRL_VERSION}; found TRL "
+        f"{trl.__version__}. Install the pinned version: pip install 'daca-grpo[trl]'"
+    )
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DACAGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus the masked-diffusion sampler, the likelihood and DACA's switches.
+
+    Every TRL field keeps its meaning; ``temperature`` is the sampler's Gumbel temperature
+    (default 0.9, the paper's training temperature) and ``max_completion_length`` is set to
+    ``gen_length``. Unset ``mask_id`` / ``prompt_width`` are read from the model loaded by
+    ``daca.models.load`` (when the trainer is given a name or path) or the tokenizer.
+    """
+
+    # The sampler (METHOD.md §1).
+    mask_id: int | None = _f(None, "mask token id (None: the loaded model's or the tokenizer's)")
+    gen_length: int = _f(16, "completion length L in tokens")
+    steps: int = _f(8, "denoising steps T over the whole completion")
+    block_length: int = _f(16, "semi-autoregressive block length; divides gen_length")
+    temperature: float = _f(0.9, "Gumbel temperature of the sampler")
+    cfg_scale: float = _f(0.0, "classifier-free guidance scale (0 = off)")
+    remasking: str = _f("low_confidence", f"commit order, one of {REMASKING}")
+    prompt_width: int | None = _f(
+        None, "left pad every prompt to exactly this width (models with absolute positions)"
+    )
+    # The likelihood (METHOD.md §3, §4).
+    p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
+    sml_enabled: bool = _f(False, "SML-enriched log-probs 0.5 * (l^MF + l^SML)")
+    sml_num_strata: int = _f(4, "K strata; each token sees (K-1)/K of the completion")
+    sml_strata: str = _f("random", f"how strata are cut, one of {STRATA}")
+    # Denoising Progress Scores (METHOD.md §2).
+    dps_enabled: bool = _f(True, "modulate each token's advantage by its birth step's progress")
+    dps_lam: float = _f(0.5, "strength lambda of the multiplier 1 + lambda * delta")
+    dps_stride: int = _f(4, "record the trace every s steps")
+    dps_last_step: str = _f("extrapolate", f"delta of the last interval, one of {LAST_STEP_MODES}")
+    dps_norm_axis: str = _f("per_step", f"axis over which delta is z-scored, one of {NORM_AXES}")
+    dps_scope: str = _f("all", f"trace scope, one of {SCOPES}")
+    dps_clamp_min: float | None = _f(None, "lower clamp of the multiplier (0 keeps signs)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        choices = {
+            "remasking": (self.remasking, REMASKING),
+            "sml_strata": (self.sml_strata, STRATA),
+            "dps_last_step": (self.dps_last_step, LAST_STEP_MODES),
+            "dps_norm_axis": (self.dps_norm_axis, NORM_AXES),
+            "dps_scope": (self.dps_scope, SCOPES),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if min(self.gen_length, self.steps, self.block_length, self.dps_stride) < 1:
+            raise ValueError("gen_length, steps, block_length and dps_stride must be >= 1")
+        if self.gen_length % self.block_length:
+            raise ValueError(
+                f"gen_length {self.gen_length} is not divisible by block_length {self.block_length}"
+            )
+        if self.steps % (self.gen_length // self.block_length):
+            raise ValueError(
+                f"steps {self.steps} is not divisible by the number of blocks "
+                f"{self.gen_length // self.block_length}"
+            )
+        if not 0.0 <= self.p_mask_prompt <= 1.0:
+            raise ValueError(f"p_mask_prompt must lie in [0, 1], got {self.p_mask_prompt}")
+        if self.sml_enabled and not 1 <= self.sml_num_strata <= self.gen_length:
+            raise ValueError(
+                f"sml_num_strata must lie in [1, gen_length], got {self.sml_num_strata}"
+            )
+        unsupported = {
+            "use_vllm": self.use_vllm,
+            "use_transformers_continuous_batching": self.use_transformers_continuous_batching,
+            "mask_truncated_completions": self.mask_truncated_completions,
+            "pad_to_multiple_of": self.pad_to_multiple_of is not None,
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"DACAGRPOConfig: {bad} do not apply to the masked-diffusion sampler")
+        self.max_completion_length = self.gen_length
+
+
+def mask_views(
+    prompt_mask: Tensor,
+    gen_length: int,
+    iterations: int,
+    *,
+    p_mask_prompt: float,
+    num_strata: int | None = None,
+    strata: str = "random",
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The masks of every inner iteration, drawn once per rollout (METHOD.md §3, §4).
+
+    prompt_mask [B, P] (1 = real token) -> prompt_hide [B, mu, P] bool (a real prompt token is
+    masked with probability ``p_mask_prompt``, as in ``mean_field_logp``) and, with
+    ``num_strata``, strata [B, mu, L] long (``strata_assignment``). Row-major, so that TRL's
+    shuffling and splitting of the batch keep each row's masks with it.
+    Generator: one ``torch.rand(B, mu, P)``, then what ``strata_assignment`` draws for B*mu rows.
+    """
+    B, P = prompt_mask.shape
+    draw = torch.rand(B, iterations, P, generator=generator, device=prompt_mask.device)
+    hide = (draw < p_mask_prompt) & prompt_mask.bool()[:, None]
+    if num_strata is None:
+        return hide, None
+    k_of = strata_assignment(
+        B * iterations, gen_length, num_strata, strata, generator=generator, device=hide.device
+    )
+    return hide, k_of.view(B, iterations, gen_length)
+
+
+def stratified_logp_from_strata(
+    model,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    strata: Tensor,
+    *,
+    mask_id: int,
+    num_strata: int,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """ℓ^SML [B, L] for given strata [B, L] (METHOD.md §3), as ``likelihood.stratified_logp``.
+
+    View k masks exactly S_k; the core's ``elbo_token_terms_from_masks`` with unit nodes and
+    weights sums log p(o_n | view k) over the one view in which n is masked: that is ℓ^SML_n.
+    """
+    masks = strata[None] == torch.arange(num_strata, device=strata.device)[:, None, None]
+    ones = torch.ones(num_strata, dtype=torch.float64)
+    return elbo_token_terms_from_masks(
+        model,
+        prompt_ids,
+        completion_ids,
+        masks,
+        ones,
+        ones,
+        mask_id=mask_id,
+        attention_mask=attention_mask,
+    )
+
+
+def left_pad(
+    ids: list[list[int]] | Tensor, mask: Tensor | None, width: int, pad_id: int
+) -> tuple[Tensor, Tensor]:
+    """Prompts left padded to exactly ``width``: ids [B, width] long, mask [B, width] long.
+
+    ``ids``: lists of real tokens (mask None), or a left-padded [B, P] tensor with its mask;
+    columns beyond ``width`` may be dropped only if they hold padding.
+    """
+    if isinstance(ids, list):
+        if any(len(row) > width for row in ids):
+            raise ValueError(f"a prompt has more than prompt_width={width} tokens")
+        out = torch.full((len(ids), width), pad_id, dtype=torch.long)
+        att = torch.zeros((len(ids), width), dtype=torch.long)
+        for b, row in enumerate(ids):
+            if row:
+                out[b, width - len(row) :] = torch.as_tensor(row, dtype=torch.long)
+                att[b, width - len(row) :] = 1
+        return out, att
+    extra = ids.shape[1] - width
+    if extra >= 0:
+        if bool(mask[:, :extra].any()):
+            raise ValueError(f"a prompt has more than prompt_width={width} tokens")
+        return ids[:, extra:], mask[:, extra:]
+    pad = ids.new_full((ids.shape[0], -extra), pad_id)
+    return torch.cat([pad, ids], 1), torch.cat([mask.new_zeros(pad.shape), mask], 1)
+
+
+class _EntropyTap:
+    """Calls the model and keeps the entropy [B, L] of its last L positions' logits.
+
+    TRL logs the policy entropy (and may use it for masks or bonuses); reading it off the
+    mean-field forward costs no extra pass.
+    """
+
+    def __init__(self, model, length: int):
+        self.model, self.length, self.entropy = model, length, None
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        logits = out if isinstance(out, Tensor) else out.logits
+        with torch.no_grad():
+            logp = logits[:, -self.length :].float().log_softmax(-1)
+            self.entropy = -(logp.exp() * logp).sum(-1)
+        return out
+
+
+class DACAGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` for masked diffusion LMs with DACA (see the module docstring).
+
+    ``model``: a ``daca.models.load`` result, or a name or path for it ("tiny" is the shipped
+    model), which also supplies the tokenizer, mask id, end-of-sequence ids and prompt width;
+    or a masked LM module (then pass ``processing_class``). ``args`` must be a
+    ``DACAGRPOConfig``. Tools, environments and ``rollout_func`` (TRL features for
+    autoregressive models) are refused.
+    """
+
+    def __init__(self, model, reward_funcs=None, args: DACAGRPOConfig | None = None, **kwargs):
+        if args is None:
+            args = DACAGRPOConfig(output_dir="daca-grpo")
+        if not isinstance(args, DACAGRPOConfig):
+            raise TypeError(f"args must be a DACAGRPOConfig, got {type(args).__name__}")
+        for name in ("tools", "rollout_func", "environment_factory"):
+            if kwargs.get(name):
+                raise ValueError(f"DACAGRPOTrainer does not support {name}")
+        mask_id, prompt_width, self._daca_meta = args.mask_id, args.prompt_width, None
+        if isinstance(model, str):
+            model = load(model)
+        if isinstance(model, LoadedModel):
+            bundle, model = model, model.model
+            kwargs.setdefault("processing_class", bundle.tokenizer)
+            mask_id = bundle.mask_id if mask_id is None else mask_id
+            prompt_width = bundle.prompt_width if prompt_width is None else prompt_width
+            eos_ids = list(bundle.eos_ids)
+            if prompt_width is not None:  # saved checkpoints load back with the same width
+                self._daca_meta = {"family": bundle.family, "prompt_width": prompt_width}
+        else:
+            tok = kwargs.get("processing_class")
+            eos_ids = [] if tok is None or tok.eos_token_id is None else [tok.eos_token_id]
+        if getattr(model, "generation_config", None) is None:
+            # TRL reads pad and end-of-sequence ids there; masked LMs have no generation config.
+            model.generation_config = GenerationConfig(eos_token_id=eos_ids or None)
+        adapters = forward_adapters(model)
+        super().__init__(model, reward_funcs, args, **kwargs)
+        if self.ref_model is not None:  # TRL reloads the reference from disk: same adapters
+            ref = self.accelerator.unwrap_model(self.ref_model)
+            for name in reversed(adapters):
+                install_forward_adapter(ref, getattr(loading, name))
+        self.mask_id = self._tokenizer.mask_token_id if mask_id is None else mask_id
+        if self.mask_id is None:
+            raise ValueError("no mask token id: set DACAGRPOConfig.mask_id")
+        self.prompt_width = prompt_width
+        device, rank = self.accelerator.device, self.accelerator.process_index
+        self._sample_gen = torch.Generator(device=device).manual_seed(args.seed * 7919 + rank)
+        self._view_gen = torch.Generator(device=device).manual_seed(args.seed * 7919 + rank + 1)
+        self._views: tuple[Tensor, Tensor | None] | None = None  # masks of the running forward
+        self._rollout_views: tuple[Tensor, Tensor | None] | None = None
+        self.last_rollout = None  # the latest daca.Rollout of this process (for inspection)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """TRL's save, plus the ``daca.json`` that ``daca.models.load`` reads (prompt width)."""
+        super()._save(output_dir, state_dict)
+        if self._daca_meta is not None and self.args.should_save:
+            folder = Path(output_dir if output_dir is not None else self.args.output_dir)
+            (folder / "daca.json").write_text(json.dumps(self._daca_meta))
+
+    # ----------------------------------------------------------------- generation
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
+        """One completion per prompt from ``daca.generate``; draws the rollout's masks."""
+        if images is not None or multimodal_fields:
+            raise ValueError("DACAGRPOTrainer supports text prompts only")
+        args = self.args
+        width = self.prompt_width or max(len(p) for p in prompt_ids)
+        ids, att = left_pad(prompt_ids, None, width, self._tokenizer.pad_token_id)
+        ids, att = ids.to(self.accelerator.device), att.to(self.accelerator.device)
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+        ):
+            was_training = unwrapped.training
+            unwrapped.eval()
+            try:
+                rollout = generate(
+                    unwrapped,
+                    ids,
+                    att,
+                    mask_id=self.mask_id,
+                    gen_length=args.gen_length,
+                    steps=args.steps,
+                    block_length=args.block_length,
+                    temperature=args.temperature,
+                    cfg_scale=args.cfg_scale,
+                    remasking=args.remasking,
+                    generator=self._sample_gen,
+                    dps_stride=args.dps_stride if args.dps_enabled else None,
+                    dps_scope=args.dps_scope,
+                )
+            finally:
+                unwrapped.train(was_training)
+        self.last_rollout = rollout
+        iterations = self.num_iterations if self.model.training else 1
+        self._rollout_views = mask_views(
+            att,
+            args.gen_length,
+            iterations,
+            p_mask_prompt=args.p_mask_prompt,
+            num_strata=args.sml_num_strata if args.sml_enabled else None,
+            strata=args.sml_strata,
+            generator=self._view_gen,
+        )
+        self._set_views(0)
+        # TRL's convention for decoding and length metrics: cut after the first end of sequence.
+        completion = rollout.completion_ids
+        is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=completion.device))
+        keep = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+        completion_ids = [c[k].tolist() for c, k in zip(completion.cpu(), keep.cpu(), strict=True)]
+        return completion_ids, None
+
+    def _generate(self, prompts):
+        """TRL's ``_generate``, then the full completions with the loss mask as ``tool_mask``."""
+        out = list(super()._generate(prompts))
+        cut = out[1]
+        full = self.last_rollout.completion_ids.tolist()
+        out[1] = full
+        out[2] = [[1] * len(c) + [0] * (len(f) - len(c)) for c, f in zip(cut, full, strict=True)]
+        return tuple(out)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's rollout and scoring, then DPS and the other inner iterations' log-probs."""
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        if self.args.dps_enabled:
+            multipliers = self._dps_multipliers(self.last_rollout, mode)
+            output["advantages"] = output["advantages"][:, None] * multipliers
+        hide, strata = self._rollout_views
+        output["daca_prompt_hide"] = hide
+        if strata is not None:
+            output["daca_strata"] = strata
+        # Old and reference log-probs: TRL computed iteration 0's; add the others' (own masks).
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+        att = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+        L, size = output["completion_ids"].shape[1], self.args.per_device_train_batch_size
+        for key, context in (
+            ("old_per_token_logps", self._policy),
+            ("ref_per_token_logps", self._reference),
+        ):
+            if key not in output:
+                continue
+            per_iteration = [output.pop(key)]
+            for k in range(1, hide.shape[1]):
+                self._set_views(k)
+                with (
+                    torch.no_grad(),
+                    disable_gradient_checkpointing(
+                        self.model, self.args.gradient_checkpointing_kwargs
+                    ),
+                    context() as model,
+                ):
+                    logp, _, _ = self._get_per_token_logps_and_entropies(model, ids, att, L, size)
+                per_iteration.append(logp)
+            output[f"daca_{key}"] = torch.stack(per_iteration, 1)  # [B, mu, L]
+        self._views = None
+        return output
+
+    def _dps_multipliers(self, rollout, mode: str) -> Tensor:
+        """(1 + lam * delta_{J(n)}) [B, L], delta z-scored over the global batch (METHOD.md §2)."""
+        a = self.args
+        deltas = progress_deltas(
+            rollout.progress_logp,
+            rollout.progress_mask,
+            a.dps_last_step,
+            last_logp=rollout.last_logp,
+            last_mask=rollout.last_mask,
+            recorded_steps=rollout.recorded_steps,
+            num_steps=rollout.num_steps,
+        )
+        local, rank = deltas.shape[0], self.accelerator.process_index
+        everything = self.accelerator.gather(deltas.contiguous())
+        normed = normalize(everything, a.dps_norm_axis)[rank * local : (rank + 1) * local]
+        mult = token_multipliers(
+            normed, rollout.birth_step, rollout.recorded_steps, a.dps_lam, a.dps_clamp_min
+        )
+        every = self.accelerator.gather(mult)
+        self._metrics[mode]["dps/delta_std"].append(everything.std(correction=0).item())
+        self._metrics[mode]["dps/multiplier_min"].append(every.min().item())
+        self._metrics[mode]["dps/multiplier_max"].append(every.max().item())
+        self._metrics[mode]["dps/multiplier_std"].append(every.std(correction=0).item())
+        return mult
+
+    # ----------------------------------------------------------------- likelihood
+    @contextlib.contextmanager
+    def _policy(self):
+        yield self.model
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """TRL's reference: its frozen copy, or the adapter-free (or "ref" adapter) PEFT model."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            yield self.model
+
+    def _set_views(self, k: int) -> None:
+        hide, strata = self._rollout_views
+        self._views = (hide[:, k], None if strata is None else strata[:, k])
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """ℓ^MF or ½(ℓ^MF + ℓ^SML) [B, L] with the current views' masks (METHOD.md §3, §4).
+
+        Same inputs as TRL's (prompt ++ completion, left-padded prompt); the completion is
+        always attended (the attention mask's completion part is ignored). Entropies are those
+        of the mean-field view's distributions; no auxiliary loss.
+        """
+        if any(v is not None for v in multimodal.values()):
+            raise ValueError("DACAGRPOTrainer supports text inputs only")
+        if self._views is None:
+            raise RuntimeError("no likelihood masks are set for this forward")
+        hide, strata = self._views
+        if hide.shape[0] != input_ids.shape[0]:
+            raise RuntimeError(f"masks for {hide.shape[0]} rows, inputs of {input_ids.shape[0]}")
+        L = logits_to_keep
+        prompt_ids, prompt_mask = input_ids[:, :-L], attention_mask[:, :-L]
+        if self.prompt_width is not None:
+            pad = self._tokenizer.pad_token_id
+            prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, self.prompt_width, pad)
+        completion_ids = input_ids[:, -L:]
+        size = batch_size or input_ids.shape[0]
+        logps, entropies = [], []
+        for s in range(0, input_ids.shape[0], size):
+            rows = slice(s, s + size)
+            p_ids, p_mask, c_ids = prompt_ids[rows], prompt_mask[rows], completion_ids[rows]
+            tap = _EntropyTap(model, L) if compute_entropy else None
+            with self.accelerator.autocast():
+                logp = mean_field_logp(
+                    tap or model,
+                    p_ids.masked_fill(hide[rows], self.mask_id),
+                    c_ids,
+                    mask_id=self.mask_id,
+                    attention_mask=p_mask,
+                )
+                if strata is not None:
+                    sml = stratified_logp_from_strata(
+                        model,
+                        p_ids,
+                        c_ids,
+                        strata[rows],
+                        mask_id=self.mask_id,
+                        num_strata=self.args.sml_num_strata,
+                        attention_mask=p_mask,
+                    )
+                    logp = sml_enriched(logp, sml)
+            logps.append(logp)
+            if tap is not None:
+                entropies.append(tap.entropy)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    # ----------------------------------------------------------------- loss
+    def _iteration(self) -> int:
+        """The inner iteration (0 .. mu-1) of the running micro-batch, from TRL's step counter."""
+        if not self.model.training:
+            return 0
+        spg = self.args.steps_per_generation
+        return (self._step % (spg * self.num_iterations)) // spg
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss, with iteration k's masks for the current, old and reference log-probs."""
+        k = self._iteration() if inputs["daca_prompt_hide"].shape[1] > 1 else 0
+        strata = inputs.get("daca_strata")
+        self._views = (inputs["daca_prompt_hide"][:, k], None if strata is None else strata[:, k])
+        inputs = dict(inputs)
+        for key in ("old_per_token_logps", "ref_per_token_logps"):
+            if f"daca_{key}" in inputs:
+                inputs[key] = inputs[f"daca_{key}"][:, k]
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._views = None
+
+
+__all__ = [
+    "DACAGRPOConfig",
+    "DACAGRPOTrainer",
+    "left_pad",
+    "mask_views",
+    "stratified_logp_from_strata",
+]

@@ -1,0 +1,297 @@
+"""DACA inside TRL's GRPOTrainer (daca.integrations.trl), on the random tiny model (CPU)."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from trl import GRPOTrainer  # noqa: E402
+
+from daca.dps import rollout_multipliers  # noqa: E402
+from daca.integrations.trl import (  # noqa: E402
+    DACAGRPOConfig,
+    DACAGRPOTrainer,
+    left_pad,
+    mask_views,
+    stratified_logp_from_strata,
+)
+from daca.likelihood import mean_field_logp, strata_assignment, stratified_logp  # noqa: E402
+from daca.models.loading import (  # noqa: E402
+    LoadedModel,
+    bucketed_forward,
+    forward_adapters,
+    install_forward_adapter,
+    load,
+)
+from daca.tasks.sudoku import generate_puzzles  # noqa: E402
+
+G, PROMPTS, WIDTH, L = 3, 2, 20, 16  # the conftest tiny model: prompt width 20, 36 positions
+
+
+def ones_reward(prompts, completions, **kwargs):
+    """A reward with spread on a random model: the fraction of '1' characters."""
+    return [c.count("1") / L for c in completions]
+
+
+def make_trainer(model_dir, tmp_path, **overrides):
+    rows = generate_puzzles(PROMPTS, seed=1)
+    data = datasets.Dataset.from_list([{"prompt": f"{r['puzzle']}=", **r} for r in rows])
+    kw = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=G * PROMPTS,
+        num_generations=G,
+        num_iterations=2,
+        beta=0.04,
+        epsilon=0.2,
+        scale_rewards="none",
+        p_mask_prompt=0.3,
+        gen_length=L,
+        steps=8,
+        block_length=8,
+        temperature=1.0,
+        dps_stride=2,
+        max_steps=2,
+        logging_steps=1,
+        seed=3,
+    )
+    kw.update(overrides)
+    model = model_dir if isinstance(model_dir, LoadedModel) else str(model_dir)
+    trainer = DACAGRPOTrainer(
+        model, reward_funcs=ones_reward, args=DACAGRPOConfig(**kw), train_dataset=data
+    )
+    trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop
+    batch_rows = [data[i] for i in range(PROMPTS) for _ in range(G)]  # TRL's RepeatSampler order
+    return trainer, batch_rows
+
+
+def fixed_width(prompt_ids, prompt_mask, pad_id):
+    """The test's own left padding to the model's prompt width."""
+    extra = WIDTH - prompt_ids.shape[1]
+    pad = torch.full((prompt_ids.shape[0], extra), pad_id, dtype=prompt_ids.dtype)
+    return torch.cat([pad, prompt_ids], 1), torch.cat([torch.zeros_like(pad), prompt_mask], 1)
+
+
+def group_advantages(trainer):
+    """r - mean_group(r) of the last rollout, recomputed from its decoded completions."""
+    tok = trainer.processing_class
+    texts = []
+    for row in trainer.last_rollout.completion_ids.tolist():
+        cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
+        texts.append(tok.decode(row[:cut], skip_special_tokens=True))
+    r = torch.tensor(ones_reward(None, texts))
+    return r - r.view(-1, G).mean(1).repeat_interleave(G)
+
+
+def mf_logp(model, batch, hide, mask_id, pad_id):
+    """The core's mean-field estimate on the batch with the given prompt masks."""
+    p_ids, p_mask = fixed_width(batch["prompt_ids"], batch["prompt_mask"], pad_id)
+    return mean_field_logp(
+        model,
+        p_ids.masked_fill(hide, mask_id),
+        batch["completion_ids"],
+        mask_id=mask_id,
+        attention_mask=p_mask,
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_multipliers_of_one_give_trl_loss_exactly(tiny_model_dir, tmp_path, loss_type):
+    trainer, rows = make_trainer(tiny_model_dir, tmp_path, dps_lam=0.0, loss_type=loss_type)
+    model, mask_id, pad_id = trainer.model, trainer.mask_id, trainer._tokenizer.pad_token_id
+    model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    adv = group_advantages(trainer)
+    assert adv.abs().sum() > 0
+    assert batch["advantages"].shape == (G * PROMPTS, L)
+    assert torch.equal(batch["advantages"], adv[:, None].expand(-1, L))  # multipliers exactly 1
+    hide = batch["daca_prompt_hide"]  # [B, mu, P]
+    with torch.no_grad():  # old = reference = the initial weights, per iteration's masks
+        old = torch.stack([mf_logp(model, batch, hide[:, k], mask_id, pad_id) for k in (0, 1)], 1)
+    assert torch.equal(batch["daca_old_per_token_logps"], old)
+    assert torch.equal(batch["daca_ref_per_token_logps"], old)
+
+    with torch.no_grad():  # move the policy so that ratios, clipping and KL all matter
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    trainer._step = 1  # the second inner iteration
+    daca_loss = trainer.compute_loss(model, batch)
+    assert trainer._metrics["train"]["clip_ratio/region_mean"][-1] > 0
+
+    current = mf_logp(model, batch, hide[:, 1], mask_id, pad_id)
+    trl_inputs = {k: v for k, v in batch.items() if not k.startswith("daca_") and k != "advantages"}
+    trl_inputs.update(
+        advantages=adv,
+        old_per_token_logps=old[:, 1],
+        ref_per_token_logps=old[:, 1],
+    )
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
+        current,
+        torch.zeros_like(current),
+        None,
+    )
+    trl_loss = GRPOTrainer._compute_loss(trainer, model, trl_inputs)
+    assert trl_loss.item() != 0
+    assert torch.equal(daca_loss, trl_loss)
+
+
+def test_dps_advantages_reach_the_loss(tiny_model_dir, tmp_path, monkeypatch):
+    trainer, rows = make_trainer(
+        tiny_model_dir, tmp_path, dps_lam=0.5, dps_norm_axis="per_step", sml_enabled=True
+    )
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    mult = rollout_multipliers(trainer.last_rollout, lam=0.5, norm_axis="per_step")
+    assert not torch.allclose(mult, torch.ones_like(mult))
+    expected = group_advantages(trainer)[:, None] * mult
+    torch.testing.assert_close(batch["advantages"], expected, rtol=0, atol=1e-6)
+
+    seen = []
+    original = GRPOTrainer._compute_loss
+
+    def spy(self, model, inputs):
+        seen.append(inputs["advantages"])
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", spy)
+    trainer.compute_loss(trainer.model, batch)
+    assert torch.equal(seen[0], batch["advantages"])
+
+
+@pytest.mark.parametrize("sml", [False, True])
+def test_same_masks_for_current_old_and_reference(tiny_model_dir, tmp_path, sml):
+    trainer, rows = make_trainer(tiny_model_dir, tmp_path, sml_enabled=sml, sml_num_strata=4)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    old = batch["daca_old_per_token_logps"]
+    assert not torch.equal(old[:, 0], old[:, 1])  # each inner iteration has its own masks
+    for k in (0, 1):
+        trainer._step = k  # unchanged weights: ratio 1 and KL 0 exactly iff the masks match
+        trainer.compute_loss(trainer.model, batch)
+        assert trainer._metrics["train"]["kl"][-1] == 0.0
+    with torch.no_grad():  # rows keep their masks through TRL's shuffle
+        perm = torch.tensor([4, 2, 0, 5, 1, 3])
+        shuffled = {k: v[perm] if torch.is_tensor(v) and v.dim() else v for k, v in batch.items()}
+        trainer._step = 1
+        trainer.compute_loss(trainer.model, shuffled)
+        assert trainer._metrics["train"]["kl"][-1] == 0.0
+
+
+def test_completions_come_from_the_diffusion_sampler(tiny_model_dir, tmp_path):
+    trainer, rows = make_trainer(tiny_model_dir, tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("model.generate must not be called")
+
+    trainer.model.generate = refuse
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    completion = trainer.last_rollout.completion_ids
+    assert torch.equal(batch["completion_ids"], completion)  # full length, as sampled
+    is_eos = completion == trainer._tokenizer.eos_token_id
+    up_to_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+    assert torch.equal(batch["tool_mask"].bool(), up_to_eos)  # the loss mask
+    assert torch.equal(batch["completion_mask"], torch.ones_like(completion))  # all attended
+
+
+def test_training_runs_both_inner_iterations(tiny_model_dir, tmp_path, monkeypatch):
+    trainer, _ = make_trainer(tiny_model_dir, tmp_path, sml_enabled=True, max_steps=2)
+    used = []
+    original = DACAGRPOTrainer._compute_loss
+
+    def spy(self, model, inputs):
+        used.append(self._iteration())
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(DACAGRPOTrainer, "_compute_loss", spy)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert used == [0, 1]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)
+    )
+    trainer.save_model(str(tmp_path / "saved"))
+    assert load(str(tmp_path / "saved")).prompt_width == WIDTH  # daca.json written beside it
+
+
+def test_sml_from_strata_matches_the_core(tiny_random_model):
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, 32, (3, 5), generator=g)
+    completion = torch.randint(4, 32, (3, 8), generator=g)
+    att = torch.ones_like(prompt)
+    att[0, :2] = 0
+    strata = strata_assignment(3, 8, 4, "random", generator=torch.Generator().manual_seed(9))
+    mine = stratified_logp_from_strata(
+        tiny_random_model, prompt, completion, strata, mask_id=1, num_strata=4, attention_mask=att
+    )
+    core = stratified_logp(
+        tiny_random_model,
+        prompt,
+        completion,
+        mask_id=1,
+        num_strata=4,
+        generator=torch.Generator().manual_seed(9),
+        attention_mask=att,
+    )
+    assert torch.equal(mine, core)
+
+
+def test_mask_views_shapes_and_padding():
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    g = torch.Generator().manual_seed(0)
+    hide, strata = mask_views(prompt_mask, 8, 3, p_mask_prompt=0.5, num_strata=4, generator=g)
+    assert hide.shape == (2, 3, 5) and strata.shape == (2, 3, 8)
+    assert not hide[0, :, :2].any()  # padding is never masked
+    assert hide.any()
+    assert all(sorted(row.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3] for row in strata.view(-1, 8))
+    none, _ = mask_views(prompt_mask, 8, 3, p_mask_prompt=0.0, generator=g)
+    assert not none.any()
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6], [7]], None, 4, 0)
+    assert ids.tolist() == [[0, 0, 5, 6], [0, 0, 0, 7]]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
+    wide, wmask = left_pad(ids[:, 1:], mask[:, 1:], 4, 0)
+    assert torch.equal(wide, ids) and torch.equal(wmask, mask)
+    narrow, nmask = left_pad(ids, mask, 2, 0)
+    assert narrow.tolist() == [[5, 6], [0, 7]] and nmask.tolist() == [[1, 1], [0, 1]]
+    with pytest.raises(ValueError, match="prompt_width"):
+        left_pad(ids, mask, 1, 0)
+    with pytest.raises(ValueError, match="prompt_width"):
+        left_pad([[1, 2, 3]], None, 2, 0)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"remasking": "sideways"}, "remasking"),
+        ({"gen_length": 16, "block_length": 5}, "divisible"),
+        ({"gen_length": 16, "block_length": 8, "steps": 3}, "divisible"),
+        ({"dps_norm_axis": "row"}, "dps_norm_axis"),
+        ({"p_mask_prompt": 1.5}, "p_mask_prompt"),
+        ({"sml_enabled": True, "sml_num_strata": 17, "gen_length": 16}, "sml_num_strata"),
+        ({"mask_truncated_completions": True}, "mask_truncated_completions"),
+    ],
+)
+def test_config_rejects_bad_values(tmp_path, bad, match):
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    kw["activation_checkpointing"] = False
+    with pytest.raises(ValueError, match=match):
+        DACAGRPOConfig(**kw, **bad)
+
+
+def test_reference_model_gets_the_policy_forward_adapters(tiny_model_dir, tmp_path):
+    bundle = load(str(tiny_model_dir))
+    install_forward_adapter(bundle.model, bucketed_forward)  # as load() does for some models
+    trainer, _ = make_trainer(bundle, tmp_path, beta=0.04)
+    assert forward_adapters(trainer.ref_model) == ["bucketed_forward"]
+    assert trainer.ref_model is not bundle.model
