@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daca.cli import main
-from daca.config import ConfigError, TrainConfig, describe, load_config
+from daca.config import ConfigError, TrainConfig, describe, load_config, resolved
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -15,7 +15,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def test_defaults_are_the_documented_main_job():
     cfg = load_config()
     assert (cfg.model, cfg.task, cfg.method, cfg.dps.enabled) == ("tiny", "sudoku", "wd1", True)
-    assert cfg == TrainConfig()
+    assert cfg == resolved(TrainConfig()) and cfg.beta == 0.0
 
 
 def test_overrides_reach_nested_fields_and_convert_types():
@@ -41,7 +41,8 @@ def test_overrides_reach_nested_fields_and_convert_types():
             ["generation.gen_length=32", "generation.steps=7"],
             "not divisible by the number of blocks 2",
         ),
-        (["method=wd1", "num_iterations=2"], "wd1 has no old policy"),
+        (["beta=-1"], "beta must be >= 0"),
+        (["variant=full"], "variant: 'full' is not one of"),
         (["sml.num_strata=0"], "sml.num_strata must be >= 1"),
         (["dps=3"], "dps: expected a mapping"),
         (["novalue"], "expected key=value"),
@@ -51,6 +52,19 @@ def test_overrides_reach_nested_fields_and_convert_types():
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, overrides)
+
+
+def test_method_defaults_and_variant_switch():
+    assert load_config(None, ["method=diffu_grpo"]).beta == 0.04
+    assert load_config(None, ["method=gdpo"]).beta == 0.0
+    assert load_config(None, ["method=diffu_grpo", "beta=0"]).beta == 0.0
+    for variant, (d, s) in {
+        "base": (False, False),
+        "sml": (False, True),
+        "daca": (True, True),
+    }.items():
+        cfg = load_config(None, [f"variant={variant}"])
+        assert (cfg.dps.enabled, cfg.sml.enabled) == (d, s)
 
 
 def test_yaml_errors_name_the_file(tmp_path):

@@ -43,6 +43,13 @@ from daca.sampler import generate
 PAD, MASK = 0, 1
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Models this small gain nothing from a second thread, and on a shared, loaded CPU the
+    # threads' synchronisation makes each forward ~100x slower.
+    torch.set_num_threads(1)
+
+
 def context_mlm(seed=0):
     """A random ModernBERT whose logits depend on the context (larger initial weights than the
     default 0.02, with which a random model barely looks at other tokens)."""
@@ -373,6 +380,21 @@ def test_llada_gradient_checkpointing_and_lora_targets(fake_llada_dir):
     with peft.disable_adapter():  # the reference policy: the adapter-disabled base
         ref = mean_field_logp(peft, ids, completion, mask_id=bundle.mask_id, attention_mask=mask)
     torch.testing.assert_close(ref, lp.detach())  # lora_B starts at zero
+
+
+def test_native_gradient_checkpointing_keeps_gradients():
+    ids, mask = left_padded(ROWS)
+    completion = torch.tensor([[5, 6]] * len(ROWS))
+    grads = []
+    for checkpointed in (False, True):
+        model = context_mlm().train()
+        if checkpointed:
+            enable_gradient_checkpointing(model)
+            assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        mean_field_logp(model, ids, completion, mask_id=MASK, attention_mask=mask).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_shape_of_a_local_llada_copy_is_read_from_its_config(tmp_path):

@@ -83,14 +83,20 @@ class TrainConfig:
     data_file: str | None = _f(None, "training data file (else the task generates or downloads)")
     eval_file: str | None = _f(None, "held-out data file (else the task's test split)")
     method: Literal["diffu_grpo", "wd1", "gdpo"] = _f("wd1", "base method (METHOD.md §4)")
-    dps: DPSConfig = field(default_factory=DPSConfig)
+    variant: Literal["base", "dps", "sml", "daca"] | None = _f(
+        None, "the ablation grid's switch: sets dps.enabled and sml.enabled together"
+    )
+    # The tiny default decodes in 8 steps: stride 2 gives 4 intervals (the paper's 4 is for T=128).
+    dps: DPSConfig = field(default_factory=lambda: DPSConfig(stride=2))
     sml: SMLConfig = field(default_factory=SMLConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     num_generations: int = _f(6, "G: completions per prompt")
     per_device_train_batch_size: int = _f(96, "completions per process per step (multiple of G)")
     num_iterations: int = _f(1, "μ: policy updates per rollout (Diffu-GRPO, GDPO; wd1 uses 1)")
-    beta: float = _f(0.0, "KL weight against the reference policy")
+    beta: float | None = _f(
+        None, "KL weight against the reference; None: the method's (Diffu-GRPO 0.04, else 0)"
+    )
     epsilon: float = _f(0.5, "PPO clip ε")
     p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
     scale_rewards: Literal["none", "group"] = _f("none", "divide advantages by the group std")
@@ -117,7 +123,18 @@ class TrainConfig:
     )
     tensorboard: bool = _f(True, "write TensorBoard logs")
     wandb: bool = _f(False, "log to Weights & Biases")
-    on_reward_error: Literal["raise", "zero"] = _f("raise", "a reward function that raises")
+    on_reward_error: Literal["raise", "zero"] = _f(
+        "raise", "a reward function that raises or times out: stop the run, or score it 0"
+    )
+    reward_timeout: float | None = _f(
+        600.0, "seconds a reward function may take on one batch (null: no limit)"
+    )
+    max_nonfinite_steps: int = _f(
+        3, "a step with a non-finite loss or gradient is skipped; this many in a row stop the run"
+    )
+    truncate_prompts: bool = _f(
+        False, "keep the last tokens of prompts longer than the model reads (else an error)"
+    )
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
     bf16: bool = _f(False, "bf16 weights and compute (GPU)")
     load_in_4bit: bool = _f(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes, GPU only)")
@@ -180,10 +197,13 @@ def _check_value(key: str, tp, value):
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
-def from_dict(cls, data: dict[str, Any], prefix: str = ""):
-    """Build dataclass ``cls`` from nested ``data``, rejecting unknown keys and wrong types."""
+def from_dict(cls, data: dict[str, Any], prefix: str = "", default=None):
+    """``default`` (an instance of dataclass ``cls``, else ``cls()``) with the fields in nested
+    ``data`` replaced, rejecting unknown keys and wrong types. A section given in part keeps
+    the default's other fields."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    default = cls() if default is None else default
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -195,10 +215,10 @@ def from_dict(cls, data: dict[str, Any], prefix: str = ""):
             raise ConfigError(f"unknown key {full!r}{hint}")
         tp = hints[key]
         if _is_dataclass_type(tp):
-            kwargs[key] = from_dict(tp, value, prefix=f"{full}.")
+            kwargs[key] = from_dict(tp, value, f"{full}.", getattr(default, key))
         else:
             kwargs[key] = _check_value(full, tp, value)
-    return cls(**kwargs)
+    return dataclasses.replace(default, **kwargs)
 
 
 def to_dict(cfg) -> dict[str, Any]:
@@ -244,8 +264,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
             raise ConfigError(f"{path}: expected a mapping of keys to values")
     for text in overrides:
         merge_override(data, *parse_override(text))
-    cfg = from_dict(TrainConfig, data)
+    cfg = resolved(from_dict(TrainConfig, data))
     validate(cfg)
+    return cfg
+
+
+METHOD_BETA = {"diffu_grpo": 0.04, "wd1": 0.0, "gdpo": 0.0}  # the reference codes' β
+VARIANT_SWITCHES = {
+    "base": (False, False),
+    "dps": (True, False),
+    "sml": (False, True),
+    "daca": (True, True),
+}
+
+
+def resolved(cfg: TrainConfig) -> TrainConfig:
+    """Fill the fields left to the method or the variant (``beta``, DPS/SML switches)."""
+    if cfg.beta is None:
+        cfg = dataclasses.replace(cfg, beta=METHOD_BETA[cfg.method])
+    if cfg.variant is not None:
+        dps_on, sml_on = VARIANT_SWITCHES[cfg.variant]
+        cfg = dataclasses.replace(
+            cfg,
+            dps=dataclasses.replace(cfg.dps, enabled=dps_on),
+            sml=dataclasses.replace(cfg.sml, enabled=sml_on),
+        )
     return cfg
 
 
@@ -279,11 +322,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         f"num_generations={cfg.num_generations}",
     )
     need(cfg.num_iterations >= 1, f"num_iterations must be >= 1, got {cfg.num_iterations}")
-    need(
-        cfg.method != "wd1" or cfg.num_iterations == 1,
-        "num_iterations > 1 is for the ratio methods; wd1 has no old policy (set it to 1)",
-    )
-    need(cfg.beta >= 0, f"beta must be >= 0, got {cfg.beta}")
+    need(cfg.beta is None or cfg.beta >= 0, f"beta must be >= 0, got {cfg.beta}")
     need(0 < cfg.epsilon < 1, f"epsilon must be in (0, 1), got {cfg.epsilon}")
     need(0 <= cfg.p_mask_prompt < 1, f"p_mask_prompt must be in [0, 1), got {cfg.p_mask_prompt}")
     need(cfg.learning_rate > 0, f"learning_rate must be positive, got {cfg.learning_rate}")
@@ -302,20 +341,28 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.eval_every >= 0, "eval_every must be >= 0")
     need(cfg.quadrature.startswith("gauss-"), f"quadrature {cfg.quadrature!r}: use 'gauss-N'")
     need(not cfg.load_in_4bit or cfg.lora.enabled, "load_in_4bit needs lora.enabled: true")
+    need(
+        cfg.reward_timeout is None or cfg.reward_timeout > 0,
+        f"reward_timeout must be positive (or null for no limit), got {cfg.reward_timeout}",
+    )
+    need(
+        cfg.max_nonfinite_steps >= 1,
+        f"max_nonfinite_steps must be >= 1, got {cfg.max_nonfinite_steps}",
+    )
     need(world_size >= 1, "world size must be >= 1")
     need(
         "/" not in cfg.name and cfg.name not in ("", ".", ".."), f"name {cfg.name!r}: a folder name"
     )
 
 
-def describe(cls=TrainConfig, prefix: str = "") -> list[str]:
+def describe(obj=None, prefix: str = "") -> list[str]:
     """One line per field: key, default and help (``daca train --help-config``)."""
+    obj = TrainConfig() if obj is None else obj
     lines = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if _is_dataclass_type(hints[f.name]):
-            lines += describe(hints[f.name], f"{prefix}{f.name}.")
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            lines += describe(value, f"{prefix}{f.name}.")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"{prefix}{f.name} = {default!r}  # {f.metadata.get('help', '')}")
+        lines.append(f"{prefix}{f.name} = {value!r}  # {f.metadata.get('help', '')}")
     return lines

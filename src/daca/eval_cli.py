@@ -66,7 +66,8 @@ def _setup(args):
     from daca.models.loading import load
     from daca.tasks import get_task
 
-    bundle = load(args.model, device=args.device)
+    dtype = torch.bfloat16 if str(args.device).startswith("cuda") else None
+    bundle = load(args.model, device=args.device, dtype=dtype)
     task = get_task(args.task)
     return bundle, task, _generation(args, bundle)
 

@@ -30,15 +30,15 @@ from daca.tasks import get_task
 
 @dataclass
 class PretrainConfig:
-    task: str = "mix"  # sudoku | countdown | mix
+    task: str = "sudoku"  # sudoku | countdown | mix
     out: str = "runs/pretrain-tiny"
     seed: int = 0
     max_steps: int = 1500
     batch_size: int = 128
     learning_rate: float = 1e-3
-    eval_every: int = 10
+    eval_every: int = 5
     eval_size: int = 200
-    target_accuracy: float | None = 0.45  # stop once the stopping task's held-out metric >= this
+    target_accuracy: float | None = 0.40  # stop once the stopping task's held-out metric >= this
     stop_task: str = "sudoku"  # which task's metric the stopping rule reads (mix: sudoku)
     train_size: int = 4000  # generated training examples per task
     hidden_size: int = 128

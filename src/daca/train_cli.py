@@ -39,7 +39,8 @@ def run(args) -> int:
             # The run folder is where it is, whatever the saved config says.
             cfg.output_dir, cfg.name = str(Path(args.resume).parent), Path(args.resume).name
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        where = f" in {config_path}" if config_path else ""
+        print(f"config error{where}: {e}", file=sys.stderr)
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_rank = cfg.per_device_train_batch_size // cfg.num_generations
@@ -55,9 +56,18 @@ def run(args) -> int:
 
         print(estimate_text(cfg))
         return 0
-    from daca.trainer import train
+    from daca.rewards import RewardError
+    from daca.trainer import InputError, TrainingError, train
 
-    summary = train(cfg, resume=bool(args.resume), progress=not args.no_progress)
+    try:
+        summary = train(cfg, resume=bool(args.resume), progress=not args.no_progress)
+    except (ConfigError, InputError, FileExistsError) as e:
+        # Found before training: the input must change. No traceback: the message says it all.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (TrainingError, RewardError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(
         f"held-out {cfg.task}: {summary['held_out_before']:.4f} before, "
         f"{summary['held_out_after']:.4f} after ({summary['steps']} steps); "

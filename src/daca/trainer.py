@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,14 +21,35 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from daca import dps, likelihood, objectives
-from daca.checkpoint import latest_checkpoint, write_atomically
-from daca.config import TrainConfig, to_dict, validate
-from daca.evaluation import evaluate, rollout
+from daca import checkpoint, dps, likelihood, objectives
+from daca.checkpoint import latest_checkpoint
+from daca.config import TrainConfig, resolved, to_dict, validate
 from daca.models.loading import LoadedModel, load
-from daca.models.prompts import completion_mask, prompt_texts
+from daca.models.prompts import (
+    completion_mask,
+    decode_completions,
+    fit_prompts,
+    pad_prompts,
+    prompt_limit,
+    prompt_texts,
+    prompt_token_ids,
+)
 from daca.rewards import score_rewards
+from daca.sampler import generate
 from daca.tasks import get_task
+
+# Per-step counts: summed over micro-batches and processes (other numbers are averaged).
+_COUNTS = ("prompts_truncated",)
+
+
+class InputError(ValueError):
+    """Input a run cannot start with (data, prompts, output folder); the message names the
+    file and line or the example, and what to change."""
+
+
+class TrainingError(RuntimeError):
+    """A run that had to stop (a failed checkpoint write, non-finite steps); the message says
+    why, what is safe on disk and how to go on."""
 
 
 def _seed(*parts: int) -> int:
@@ -65,6 +87,7 @@ class Trainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        config = resolved(config)
         self.cfg = config
         cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
         # One scheduler step per optimizer step (accelerate's default steps it once per
@@ -81,18 +104,18 @@ class Trainer:
         self.progress = progress and self.acc.is_main_process
         self._preflight(resume)
 
-        self.task = get_task(config.task)
+        # The data first: a bad line is reported before minutes of model loading.
+        try:
+            self.task = get_task(config.task)
+        except ValueError as e:
+            raise InputError(f"task={config.task}: {e}") from None
+        self.train_rows = self._load_rows("train", config.data_file, config.train_size)
+        self.eval_rows = self._load_rows("test", config.eval_file, config.eval_size)
         self.bundle = self._load_model()
-        self.train_rows = self.task.load(
-            split="train", path=config.data_file, limit=config.train_size, seed=config.seed
-        )
-        self.eval_rows = self.task.load(
-            split="test", path=config.eval_file, limit=config.eval_size, seed=config.seed
-        )
-        if not self.train_rows:
-            raise ValueError(f"task {config.task}: no training rows")
+        self.prompt_limit = prompt_limit(self.bundle, config.generation.gen_length)
+        self._check_prompts()
         self.ref_model = None
-        if config.beta > 0 and not config.lora.enabled:
+        if config.beta > 0 and config.method != "wd1" and not config.lora.enabled:
             self.ref_model = copy.deepcopy(self.bundle.model).eval().requires_grad_(False)
 
         params = [p for p in self.bundle.model.parameters() if p.requires_grad]
@@ -118,27 +141,85 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.evals: list[dict] = []
+        self.nonfinite_total = 0  # steps skipped for a non-finite loss or gradient
+        self._nonfinite_cause = ""
         if resume:
             self._resume()
 
     # ----------------------------------------------------------------- setup
     def _preflight(self, resume: bool) -> None:
-        """Find an unwritable output folder before any model is loaded."""
+        """Find an unwritable output folder before any model is loaded (a real write)."""
+        failed = None
         if self.acc.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             probe = self.run_dir / ".write-test"
             try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
                 probe.write_bytes(b"x" * 4096)
                 probe.unlink()
             except OSError as e:
-                raise OSError(f"cannot write to the output folder {self.run_dir}: {e}") from e
-            if not resume and (self.run_dir / "metrics.jsonl").exists():
+                failed = InputError(
+                    f"cannot write to the output folder {self.run_dir} "
+                    f"({e.strerror or e}); set output_dir=... to a writable folder with free "
+                    f"space (or fix its permissions)"
+                )
+            if failed is None and not resume and (self.run_dir / "metrics.jsonl").exists():
                 raise FileExistsError(
                     f"{self.run_dir} already holds a run; resume it with "
                     f"`daca train --resume {self.run_dir}` or choose another name=..."
                 )
-            (self.run_dir / "config.yaml").write_text(_yaml(to_dict(self.cfg)))
-        self.acc.wait_for_everyone()
+            if failed is None:
+                _write_text(self.run_dir / "config.yaml", _yaml(to_dict(self.cfg)))
+        if self._anywhere(failed is not None):
+            raise failed or InputError(f"the main process cannot write to {self.run_dir}")
+
+    def _anywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (a collective: every rank must call it)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.acc.device)
+        return self.acc.reduce(t, reduction="sum").item() > 0
+
+    def _load_rows(self, split: str, path: str | None, limit: int) -> list[dict]:
+        """The task's rows; a bad file is an InputError naming it (the loaders name the line)."""
+        try:
+            rows = self.task.load(split=split, path=path, limit=limit, seed=self.cfg.seed)
+        except (ValueError, OSError, KeyError) as e:
+            raise InputError(f"cannot read {self._source(split)}: {e}") from None
+        if not rows:
+            raise InputError(f"{self._source(split)} holds no rows")
+        return rows
+
+    def _source(self, split: str) -> str:
+        """Where a split's rows come from, in the config's words."""
+        key, path = (
+            ("data_file", self.cfg.data_file)
+            if split == "train"
+            else ("eval_file", self.cfg.eval_file)
+        )
+        return f"{key}={path}" if path else f"task {self.cfg.task}'s {split} split"
+
+    def _check_prompts(self) -> None:
+        """Every prompt fits the model, or (truncate_prompts) how many will be cut is said."""
+        if self.prompt_limit is None:
+            return
+        cut = []
+        for split, rows in (("train", self.train_rows), ("test", self.eval_rows)):
+            try:
+                texts = prompt_texts(self.bundle, self.task, rows)
+            except ValueError as e:
+                raise InputError(f"task={self.cfg.task} with model={self.cfg.model}: {e}") from None
+            ids = prompt_token_ids(self.bundle, texts)
+            try:
+                _, n = fit_prompts(
+                    ids, self.prompt_limit, truncate=self.cfg.truncate_prompts, texts=texts
+                )
+            except ValueError as e:
+                raise InputError(f"{self._source(split)}: {e}") from None
+            cut.append((n, len(rows), split))
+        if any(n for n, _, _ in cut) and self.acc.is_main_process:
+            counts = " and ".join(f"{n} of {total} {split}" for n, total, split in cut)
+            limit = self.prompt_limit
+            print(f"truncate_prompts: {counts} prompts keep only their last {limit} tokens")
 
     def _load_model(self) -> LoadedModel:
         cfg = self.cfg
@@ -228,26 +309,54 @@ class Trainer:
                 yield self.model
 
     # ----------------------------------------------------------------- one step
+    @torch.no_grad()
+    def _generate(self, model, rows, *, temperature, generator=None, dps_stride=None):
+        """One completion per row: (texts, Rollout, prompt mask, prompt texts, prompts cut)."""
+        g = self.cfg.generation
+        prompts = prompt_texts(self.bundle, self.task, rows)
+        ids, cut = fit_prompts(
+            prompt_token_ids(self.bundle, prompts),
+            self.prompt_limit,
+            truncate=self.cfg.truncate_prompts,
+            texts=prompts,
+        )
+        prompt_ids, prompt_mask = pad_prompts(self.bundle, ids)
+        device = next(model.parameters()).device
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        out = generate(
+            model,
+            prompt_ids,
+            prompt_mask,
+            mask_id=self.bundle.mask_id,
+            gen_length=g.gen_length,
+            steps=g.steps,
+            block_length=g.block_length,
+            temperature=temperature,
+            cfg_scale=g.cfg_scale,
+            remasking=g.remasking,
+            generator=generator,
+            dps_stride=dps_stride,
+            dps_scope=self.cfg.dps.scope,
+        )
+        texts = decode_completions(self.bundle, out.completion_ids.cpu())
+        return texts, out, prompt_mask, prompts, cut
+
     def _make_rollout(self, step: int, micro: int) -> tuple[RolloutBatch, dict]:
         cfg, G = self.cfg, self.cfg.num_generations
         rows = [r for r in self._prompts_for(step, micro) for _ in range(G)]
         model = self.acc.unwrap_model(self.model)
         model.eval()
         t0 = time.perf_counter()
-        with torch.no_grad():
-            texts, out, prompt_mask = rollout(
-                self.bundle_for(model),
-                self.task,
-                rows,
-                cfg.generation,
-                generator=_gen(self.acc.device, cfg.seed, step, micro, self.rank, 7),
-                dps_stride=cfg.dps.stride if cfg.dps.enabled else None,
-                dps_scope=cfg.dps.scope,
-            )
+        texts, out, prompt_mask, prompts, cut = self._generate(
+            model,
+            rows,
+            temperature=cfg.generation.temperature,
+            generator=_gen(self.acc.device, cfg.seed, step, micro, self.rank, 7),
+            dps_stride=cfg.dps.stride if cfg.dps.enabled else None,
+        )
         model.train()
         t1 = time.perf_counter()
         columns = {c: [r.get(c) for r in rows] for c in self.task.columns}
-        prompts = prompt_texts(self.bundle, self.task, rows)
         per_func, rewards, errors = score_rewards(
             self.task.reward_funcs,
             self.task.reward_weights,
@@ -255,6 +364,7 @@ class Trainer:
             texts,
             columns,
             on_error=cfg.on_reward_error,
+            timeout=cfg.reward_timeout,
         )
         t2 = time.perf_counter()
         device = self.acc.device
@@ -265,6 +375,7 @@ class Trainer:
             "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "advantage_abs": adv.abs().mean().item(),
             "reward_errors": errors,
+            "prompts_truncated": cut // G,
             "time_rollout": t1 - t0,
             "time_reward": t2 - t1,
         }
@@ -289,11 +400,6 @@ class Trainer:
             multipliers=multipliers,
         )
         return batch, stats
-
-    def bundle_for(self, model) -> LoadedModel:
-        b = copy.copy(self.bundle)
-        b.model = model
-        return b
 
     def _dps_multipliers(self, out) -> tuple[Tensor, Tensor, dict]:
         """δ from the trace, z-scored with the global batch's statistics (METHOD.md §2)."""
@@ -349,9 +455,32 @@ class Trainer:
         tmp.write_text(json.dumps(record))
         tmp.replace(folder / f"step-{step:07d}.json")
 
+    def _diagnose(self, batch: RolloutBatch) -> str:
+        """Why a micro-batch's loss is not finite, with what to try."""
+        params = self.acc.unwrap_model(self.model).parameters()
+        if not all(torch.isfinite(p).all() for p in params):
+            return (
+                "the model's weights hold NaN or inf (go back to an earlier checkpoint and "
+                "lower learning_rate or max_grad_norm)"
+            )
+        if not bool(self._logp_finite):
+            return (
+                "non-finite log-probabilities: the model's logits hold NaN or inf (with bf16, "
+                "try fp32; lower learning_rate)"
+            )
+        if batch.multipliers is not None and not torch.isfinite(batch.multipliers).all():
+            return "non-finite DPS multipliers (the rollout's logits held NaN or inf)"
+        if not torch.isfinite(batch.advantages).all():
+            return "non-finite advantages (check the reward functions)"
+        return (
+            "a non-finite loss from finite log-probabilities and advantages (check psi, "
+            "epsilon and beta)"
+        )
+
     def _loss(self, batch: RolloutBatch, it: int, seed: int) -> tuple[Tensor, dict]:
         cfg = self.cfg
         logp, sml = self._token_logp(self.model, batch, seed)
+        self._logp_finite = torch.isfinite(logp).all()  # read only to diagnose a bad loss
         mask = batch.completion_mask
         if cfg.method == "wd1":
             return objectives.wd1_loss(
@@ -390,7 +519,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
-        gas, mu = cfg.gradient_accumulation_steps, cfg.num_iterations
+        gas = cfg.gradient_accumulation_steps
+        mu = 1 if cfg.method == "wd1" else cfg.num_iterations  # wd1 has no old policy
         # accelerate keeps this in a process-wide singleton: another Trainer may have changed it.
         self.acc.gradient_accumulation_steps = gas
         batches, stats_list = [], []
@@ -414,23 +544,39 @@ class Trainer:
                         with self._reference() as ref:
                             batch.ref_logp = [self._token_logp(ref, batch, s)[0] for s in seeds[m]]
         update_stats: list[dict] = []
+        skipped = False
         for it in range(mu):
+            cause = ""
             for m, batch in enumerate(batches):
                 # accumulate() divides the loss by gas and syncs gradients on the last micro-batch.
+                # Every rank runs every backward, even of a NaN loss: DDP's all-reduce needs all.
                 with self.acc.accumulate(self.model):
                     loss, metrics = self._loss(batch, it, seeds[m][it])
                     self.acc.backward(loss)
                 metrics = {k: float(v) for k, v in metrics.items()}
                 metrics["loss"] = loss.item()
                 update_stats.append(metrics)
+                if not cause and not math.isfinite(metrics["loss"]):
+                    cause = self._diagnose(batch)
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            self.optimizer.step()
+            if not cause and grad_norm is not None and not math.isfinite(float(grad_norm)):
+                cause = "non-finite gradients (lower learning_rate; with bf16, try fp32)"
+            # A non-finite update would poison the weights and AdamW's moments: skip it, on
+            # every rank alike (the loss is local; the gradient norm is already global).
+            if self._anywhere(bool(cause)):
+                skipped = True
+                self._nonfinite_cause = cause or "a non-finite loss on another process"
+            else:
+                self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         stats = _mean_dicts(stats_list)
+        for k in _COUNTS:
+            stats[k] = sum(s[k] for s in stats_list)
         stats.update(_mean_dicts(update_stats))
         stats["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
+        stats["nonfinite_skipped"] = float(skipped)
         stats["time_update"] = t1 - t0
         stats["lr"] = self.scheduler.get_last_lr()[0]
         if self.world > 1:
@@ -449,7 +595,9 @@ class Trainer:
         out = {}
         for i, k in enumerate(keys):
             col = every[:, i]
-            if k.endswith("_min"):
+            if k in _COUNTS:
+                out[k] = col.sum().item()
+            elif k.endswith("_min"):
                 out[k] = col.min().item()
             elif k.endswith("_max") or k.startswith("time_"):
                 out[k] = col.max().item()
@@ -464,15 +612,19 @@ class Trainer:
         rows = self.eval_rows[self.rank :: self.world]
         # Pad to equal counts: a sharded model (FSDP) runs collectives in every forward.
         per_rank = -(-len(self.eval_rows) // self.world)
-        res = evaluate(
-            self.bundle_for(model),
-            self.task,
-            rows + self.eval_rows[: per_rank - len(rows)],
-            self.cfg.generation,
-            batch_size=self.cfg.eval_batch_size,
-            temperature=0.0,
-        )
-        scores = res.scores[: len(rows)]
+        padded = rows + self.eval_rows[: per_rank - len(rows)]
+        size, scores = self.cfg.eval_batch_size, []
+        was_training = model.training
+        model.eval()
+        try:
+            for start in range(0, len(padded), size):
+                chunk = padded[start : start + size]
+                texts = self._generate(model, chunk, temperature=0.0)[0]
+                columns = {c: [r.get(c) for r in chunk] for c in self.task.columns}
+                scores += [float(x) for x in self.task.score(texts, **columns)]
+        finally:
+            model.train(was_training)
+        scores = scores[: len(rows)]
         total = torch.tensor([sum(scores), len(scores)], dtype=torch.float64)
         if self.world > 1:
             total = self.acc.reduce(total.to(self.acc.device), reduction="sum").cpu()
@@ -480,59 +632,112 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        rng = {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-        }
-        self.acc.wait_for_everyone()
-        # Every rank takes part: a sharded model (FSDP) gathers its full weights here.
-        weights = self.acc.get_state_dict(self.model)
-        if self.acc.is_main_process:
+        """Write the checkpoint of this step, complete or not at all (``daca.checkpoint``).
 
-            def write(folder: Path):
-                model = self.acc.unwrap_model(self.model)
-                model.save_pretrained(folder / "model", state_dict=weights)
-                torch.save(
-                    {
-                        "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(),
-                        "step": self.step,
-                        "history": self.history,
-                        "evals": self.evals,
-                    },
-                    folder / "trainer_state.pt",
-                )
-
-            write_atomically(self.run_dir, self.step, write, keep=self.cfg.save_total_limit)
-        # Each rank's RNG state beside the checkpoint (the run itself draws from seeded
-        # generators; these restore anything that used the global RNG).
+        A failed write (a full disk) removes the partial folder, keeps the previous checkpoints
+        and stops the run on every rank with a TrainingError saying what to do.
+        """
+        step, main = self.step, self.acc.is_main_process
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         self.acc.wait_for_everyone()
         latest = latest_checkpoint(self.run_dir)
-        if latest is not None and latest[0] == self.step:
-            torch.save(rng, latest[1] / f"rng_state_{self.rank}.pt")
+        if latest is not None and latest[0] == step:
+            return  # resumed from this very checkpoint: nothing new to write
+        # Every rank takes part: a sharded model (FSDP) gathers its full weights here.
+        weights = self.acc.get_state_dict(self.model)
+        tmp = checkpoint.temporary_dir(self.run_dir, step)
+        error = None
+        if main:
+            try:
+                checkpoint.begin(self.run_dir, step)
+            except OSError as e:
+                error = e
+        self.acc.wait_for_everyone()
+        try:
+            # Each rank's RNG state (the run draws from seeded generators; these restore
+            # anything that used the global RNG, e.g. LoRA dropout), inside the checkpoint.
+            torch.save(rng, tmp / f"rng_state_{self.rank}.pt")
+            if main and error is None:
+                model = self.acc.unwrap_model(self.model)
+                model.save_pretrained(tmp / "model", state_dict=weights)
+                state = {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "step": step,
+                    "history": self.history,
+                    "evals": self.evals,
+                }
+                torch.save(state, tmp / "trainer_state.pt")
+        except OSError as e:
+            error = error or e
+        if not self._anywhere(error is not None) and main:
+            try:
+                checkpoint.commit(self.run_dir, step, keep=self.cfg.save_total_limit)
+            except OSError as e:
+                error = e
+        if self._anywhere(error is not None):
+            if main:
+                checkpoint.discard_temporary(self.run_dir, step)
+            reason = f"{error.strerror or error}" if error else "it failed on another process"
+            kept = f"the previous checkpoint {latest[1]} is intact" if latest else "none existed"
+            raise TrainingError(
+                f"could not write the checkpoint of step {step} to {tmp.parent} ({reason}); "
+                f"the partial folder was removed and {kept}. Free space in {tmp.parent} (or "
+                f"lower save_total_limit, or move output_dir to a larger disk), then continue "
+                f"with `daca train --resume {self.run_dir}`"
+            ) from error
         self.acc.wait_for_everyone()
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir)
-        if found is None:
-            raise FileNotFoundError(f"{self.run_dir}: no complete checkpoint to resume from")
-        step, folder = found
-        state = torch.load(folder / "trainer_state.pt", weights_only=False)
-        model = self.acc.unwrap_model(self.model)
-        _load_weights(model, folder / "model")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.history, self.evals = state["step"], state["history"], state["evals"]
-        rng_file = folder / f"rng_state_{self.rank}.pt"
-        if rng_file.is_file():
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
+        """Continue from the latest complete checkpoint; none yet (a run stopped before its
+        first one): start over. The logs are cut back to the checkpoint's step."""
         if self.acc.is_main_process:
-            # metrics.jsonl may hold steps past the checkpoint: rewrite it from the state.
+            checkpoint.recover(self.run_dir)
+        self.acc.wait_for_everyone()
+        found = latest_checkpoint(self.run_dir)
+        if found is not None:
+            step, folder = found
+            state = torch.load(folder / "trainer_state.pt", weights_only=False)
+            model = self.acc.unwrap_model(self.model)
+            _load_weights(model, folder / "model")
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step, self.history, self.evals = state["step"], state["history"], state["evals"]
+            self.nonfinite_total = int(sum(h.get("nonfinite_skipped", 0) for h in self.history))
+            rng_file = folder / f"rng_state_{self.rank}.pt"
+            if rng_file.is_file():
+                rng = torch.load(rng_file, weights_only=False)
+                torch.set_rng_state(rng["torch"])
+                random.setstate(rng["python"])
+        if self.acc.is_main_process:
+            # The logs may hold steps past the checkpoint: rewrite them from its state.
             _rewrite_jsonl(self.run_dir / "metrics.jsonl", self.history)
+            _rewrite_jsonl(self.run_dir / "evals.jsonl", self.evals)
+            print(
+                f"resuming {self.run_dir} from step {self.step}"
+                if found
+                else f"{self.run_dir} has no complete checkpoint yet: starting it over"
+            )
+        self.acc.wait_for_everyone()
 
     # ----------------------------------------------------------------- the loop
+    def _stop_if_nonfinite(self) -> None:
+        """After max_nonfinite_steps skipped steps in a row, stop with the diagnosis."""
+        n = 0
+        for h in reversed(self.history):
+            if not h.get("nonfinite_skipped"):
+                break
+            n += 1
+        if n < self.cfg.max_nonfinite_steps:
+            return
+        latest = latest_checkpoint(self.run_dir)
+        where = f"The last checkpoint is {latest[1]}" if latest else "No checkpoint was written"
+        raise TrainingError(
+            f"{n} steps in a row ({self.step - n + 1} to {self.step}) had {self._nonfinite_cause}"
+            f"; each was skipped, and max_nonfinite_steps={self.cfg.max_nonfinite_steps} stops "
+            f"the run. {where}; after the fix, continue with `daca train --resume {self.run_dir}`"
+        )
+
     def train(self) -> dict:
         from daca.run_logging import RunLogger
 
@@ -548,8 +753,11 @@ class Trainer:
         try:
             while self.step < cfg.max_steps:
                 stats = self.train_step()
+                self.nonfinite_total += int(stats["nonfinite_skipped"])
+                stats["nonfinite_steps"] = float(self.nonfinite_total)
                 self.history.append(stats)
                 logger.log_step(stats)
+                self._stop_if_nonfinite()
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
                     self.evals.append({"step": self.step, "held_out": self.evaluate()})
                     logger.log_eval(self.evals[-1])
@@ -603,8 +811,13 @@ def _load_weights(model, folder: Path) -> None:
 
 
 def _rewrite_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Replace a file atomically: a crash leaves the old or the new text, never a torn one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
     tmp.replace(path)
 
 

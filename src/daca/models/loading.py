@@ -125,9 +125,16 @@ def load(
     if dtype is not None:
         kwargs["dtype"] = dtype
     if quantization_config is not None:
-        kwargs.update(quantization_config=quantization_config, device_map={"": str(device)})
-    auto = AutoModel if spec is not None else AutoModelForMaskedLM
-    model = auto.from_pretrained(path, **kwargs)
+        # Quantised weights are placed while loading; they cannot be moved afterwards.
+        place = torch.device(device)
+        if place.type == "cuda":
+            place = place.index if place.index is not None else torch.cuda.current_device()
+        kwargs.update(quantization_config=quantization_config, device_map={"": place})
+    if spec is not None:
+        model_class = _remote_class(config, path) if trust_remote_code else AutoModel
+    else:
+        model_class = AutoModelForMaskedLM
+    model = model_class.from_pretrained(path, **kwargs)
     if quantization_config is None:
         model.to(device)
     model.eval()
@@ -158,6 +165,32 @@ def load(
     if check_padding is None:
         check_padding = bundle.prompt_width is None
     return adapt(bundle, check_padding=check_padding)
+
+
+def _remote_class(config, path: str):
+    """The family's remote model class, its ``__init__`` made to end with ``post_init()``.
+
+    transformers 5's ``from_pretrained`` reads attributes that ``post_init`` sets (the tied
+    weight keys); LLaDA's remote code predates that and never calls it.
+    """
+    from transformers import AutoModel
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    ref = (getattr(config, "auto_map", None) or {}).get("AutoModel")
+    if ref is None:  # a family transformers knows natively
+        return AutoModel
+    cls = get_class_from_dynamic_module(ref, path)
+    init = cls.__init__
+    if not getattr(init, "_daca_post_init", False):
+
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if not hasattr(self, "all_tied_weights_keys"):
+                self.post_init()
+
+        __init__._daca_post_init = True
+        cls.__init__ = __init__
+    return cls
 
 
 # ----------------------------------------------------------------------------- forward adapters

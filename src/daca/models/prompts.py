@@ -1,7 +1,8 @@
 """Task rows to prompt token ids, and completion ids back to text, per model family.
 
 The tiny model reads the task's compact character prompt, left padded to its fixed width;
-chat models read the task's chat prompt through the tokenizer's chat template.
+chat models read the task's chat prompt through the tokenizer's chat template. A prompt longer
+than the model reads is an error naming it, or, when asked, cut to its last tokens.
 """
 
 from __future__ import annotations
@@ -31,17 +32,54 @@ def prompt_texts(bundle: LoadedModel, task: Task, rows: list[dict]) -> list[str]
     return texts
 
 
-def encode_prompts(bundle: LoadedModel, texts: list[str]) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids [B, P] and attention mask [B, P]."""
+def prompt_limit(bundle: LoadedModel, gen_length: int) -> int | None:
+    """The most prompt tokens the model reads: the tiny model's fixed width, else its positions
+    (``max_position_embeddings``, LLaDA's ``max_sequence_length``) less the completion's
+    ``gen_length``; None when the model's config does not say."""
+    if bundle.prompt_width is not None:
+        return bundle.prompt_width
+    config = getattr(bundle.model, "config", None)
+    for key in ("max_position_embeddings", "max_sequence_length"):
+        positions = getattr(config, key, None)
+        if isinstance(positions, int) and positions > 0:
+            return max(positions - gen_length, 0)
+    return None
+
+
+def prompt_token_ids(bundle: LoadedModel, texts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt, unpadded (special tokens added for all but the tiny model)."""
     tok = bundle.tokenizer
-    ids = [tok(t, add_special_tokens=bundle.family != "tiny")["input_ids"] for t in texts]
+    return [tok(t, add_special_tokens=bundle.family != "tiny")["input_ids"] for t in texts]
+
+
+def fit_prompts(
+    ids: list[list[int]], limit: int | None, *, truncate: bool, texts: list[str] | None = None
+) -> tuple[list[list[int]], int]:
+    """Prompts of at most ``limit`` tokens: (ids, how many were cut).
+
+    ``truncate``: keep the last ``limit`` tokens of a longer prompt (the end holds the question
+    and, for chat models, the assistant header); else a longer prompt is a ValueError naming it.
+    """
+    if limit is None:
+        return ids, 0
+    long = [i for i, seq in enumerate(ids) if len(seq) > limit]
+    if long and not truncate:
+        i = long[0]
+        shown = f" {texts[i][:80]!r}{'...' if len(texts[i]) > 80 else ''}" if texts else ""
+        raise ValueError(
+            f"prompt {i}{shown} has {len(ids[i])} tokens, more than the {limit} the model reads; "
+            f"shorten it or set truncate_prompts=true to keep its last {limit} tokens"
+        )
+    return [seq[len(seq) - limit :] if len(seq) > limit else seq for seq in ids], len(long)
+
+
+def pad_prompts(bundle: LoadedModel, ids: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids [B, P] and attention mask [B, P] (P: the tiny model's width, else
+    the longest prompt)."""
     width = max(len(i) for i in ids)
     if bundle.prompt_width is not None:
-        too_long = [t for t, i in zip(texts, ids, strict=True) if len(i) > bundle.prompt_width]
-        if too_long:
-            raise ValueError(
-                f"prompt {too_long[0]!r} has more than the model's {bundle.prompt_width} tokens"
-            )
+        if width > bundle.prompt_width:
+            raise ValueError(f"a prompt has more than the model's {bundle.prompt_width} tokens")
         width = bundle.prompt_width
     out = torch.full((len(ids), width), bundle.pad_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -50,6 +88,20 @@ def encode_prompts(bundle: LoadedModel, texts: list[str]) -> tuple[Tensor, Tenso
             out[b, width - len(seq) :] = torch.tensor(seq)
             mask[b, width - len(seq) :] = 1
     return out, mask
+
+
+def encode_prompts(
+    bundle: LoadedModel, texts: list[str], *, limit: int | None = None, truncate: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids [B, P] and attention mask [B, P].
+
+    A prompt longer than the tiny model's width, or than ``limit``, raises ValueError naming
+    it, or with ``truncate`` keeps its last tokens (``fit_prompts``).
+    """
+    if bundle.prompt_width is not None:
+        limit = bundle.prompt_width if limit is None else min(limit, bundle.prompt_width)
+    ids, _ = fit_prompts(prompt_token_ids(bundle, texts), limit, truncate=truncate, texts=texts)
+    return pad_prompts(bundle, ids)
 
 
 def encode_targets(bundle: LoadedModel, texts: list[str], gen_length: int) -> Tensor:

@@ -1,0 +1,114 @@
+"""``daca train`` in a subprocess, for the kill-and-resume and multi-process tests.
+
+Usage: python tests/_kill_worker.py train key=value ... [--resume RUN_DIR]
+       (or under ``accelerate launch``). Same as ``python -m daca.cli``, plus:
+
+- the tasks "ones" (reward: the share of '1' characters, which a random model can move) and
+  "ones_rank1_fails" (the same, but the reward raises on rank 1 from the second rollout on);
+- with DACA_PHASES=1, a line ``PHASE <name> <step>`` on stdout when a phase starts (rollout,
+  update, ckpt = a checkpoint write, saved = its end), and each phase widened by DACA_SLOW
+  seconds in its middle (between generation and rewards, between a loss and its backward, and
+  between the two halves of each checkpoint file written with torch.save), so that a kill at
+  a random moment after the line lands inside the phase.
+"""
+
+import io
+import os
+import sys
+import time
+
+import torch
+
+import daca.trainer
+from daca import checkpoint
+from daca.cli import main
+from daca.tasks import Task, get_task, register_task
+from daca.trainer import Trainer
+
+
+def _ones_task(fail_on_rank1: bool = False) -> Task:
+    sudoku = get_task("sudoku")
+    calls = []
+
+    def ones(prompts, completions, **kw):
+        calls.append(1)
+        if fail_on_rank1 and os.environ.get("RANK") == "1" and len(calls) > 1:
+            raise RuntimeError("injected failure on rank 1")
+        return [c.count("1") / 16 for c in completions]
+
+    return Task(
+        name="ones",
+        load=sudoku.load,
+        chat_prompt=sudoku.chat_prompt,
+        compact_prompt=sudoku.compact_prompt,
+        reward_funcs=[ones],
+        score=lambda completions, **kw: [c.count("1") / 16 for c in completions],
+        columns=sudoku.columns,
+    )
+
+
+def _phase(name: str, step: int) -> None:
+    print(f"PHASE {name} {step}", flush=True)
+
+
+def _install_phase_hooks(slow: float) -> None:
+    make_rollout, loss, begin, commit = (
+        Trainer._make_rollout,
+        Trainer._loss,
+        checkpoint.begin,
+        checkpoint.commit,
+    )
+
+    score_rewards = daca.trainer.score_rewards
+
+    def hooked_rollout(self, step, micro):
+        _phase("rollout", step)
+        return make_rollout(self, step, micro)
+
+    def slow_rewards(*args, **kwargs):
+        time.sleep(slow)
+        return score_rewards(*args, **kwargs)
+
+    def hooked_loss(self, batch, it, seed):
+        _phase("update", self.step)
+        out = loss(self, batch, it, seed)
+        time.sleep(slow)
+        return out
+
+    def hooked_begin(run_dir, step):
+        _phase("ckpt", step)
+        return begin(run_dir, step)
+
+    def hooked_commit(run_dir, step, keep):
+        out = commit(run_dir, step, keep)
+        _phase("saved", step)
+        return out
+
+    save = torch.save
+
+    def torn_save(obj, f, *args, **kwargs):
+        """Checkpoint files are written in two halves with a pause: a kill tears them."""
+        if not isinstance(f, str | os.PathLike) or ".tmp" not in str(f):
+            return save(obj, f, *args, **kwargs)
+        buf = io.BytesIO()
+        save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        with open(f, "wb") as fh:
+            fh.write(data[: len(data) // 2])
+            fh.flush()
+            time.sleep(slow)
+            fh.write(data[len(data) // 2 :])
+
+    Trainer._make_rollout, Trainer._loss = hooked_rollout, hooked_loss
+    daca.trainer.score_rewards = slow_rewards
+    checkpoint.begin, checkpoint.commit = hooked_begin, hooked_commit
+    torch.save = torn_save
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    register_task("ones", _ones_task)
+    register_task("ones_rank1_fails", lambda: _ones_task(fail_on_rank1=True))
+    if os.environ.get("DACA_PHASES") == "1":
+        _install_phase_hooks(float(os.environ.get("DACA_SLOW", "0.2")))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,120 @@
+"""Shipped recipes resolve and validate in ``daca train --dry-run``; the paper's recipes hold
+METHOD.md §5's settings, the overrides their headers document are valid, and the memory
+estimate matches numbers worked out by hand."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_mlm
+
+from daca.cli import main
+from daca.config import load_config
+from daca.memory import NF4_BYTES, dps_trace_rows, estimate
+from daca.sampler import generate
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "accelerate")
+PAPER = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
+BENCHMARKS = {"gsm8k", "math500", "countdown", "sudoku", "mbpp", "humaneval", "json_schema"}
+
+
+def test_one_paper_recipe_per_benchmark():
+    assert {p.stem for p in PAPER} == BENCHMARKS
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_recipe_dry_run(path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "effective batch" in out
+    if path.parent.name == "paper":
+        assert "estimated GPU memory per device" in out and "unavailable" not in out
+
+
+def test_paper_recipe_effective_batch_on_eight_processes(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert main(["train", "--config", str(ROOT / "configs/paper/gsm8k.yaml"), "--dry-run"]) == 0
+    # 6 completions = 1 prompt per process and micro-batch, x 8 processes x 2 accumulated.
+    assert (
+        "effective batch 16 prompts x 6 = 96 completions per step over 8" in capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
+def test_paper_recipe_settings_and_documented_overrides(path):
+    cfg = load_config(path)
+    g = cfg.generation
+    assert cfg.model == "GSAI-ML/LLaDA-8B-Instruct" and cfg.task == path.stem
+    assert (cfg.bf16, cfg.load_in_4bit, cfg.lora.enabled) == (True, True, True)
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (128, 64, 0.05)
+    assert (cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2) == (3e-6, 0.9, 0.99)
+    assert (cfg.weight_decay, cfg.max_grad_norm, cfg.gradient_accumulation_steps) == (0.1, 0.2, 2)
+    assert (cfg.num_generations, g.gen_length, g.steps, g.block_length) == (6, 256, 128, 32)
+    assert g.temperature == 0.9
+    assert (cfg.method, cfg.dps.enabled, cfg.sml.enabled) == ("wd1", True, False)
+
+    # Every override line of the header validates and selects what its label says.
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    found = {}
+    for line in header:
+        overrides = [t for t in line[1:].split() if re.fullmatch(r"[a-z_.0-9]+=\S+", t)]
+        label = re.sub(r"\s+", " ", line[1:].split(overrides[0])[0]).strip() if overrides else ""
+        if overrides and "daca.cli" not in line:
+            found[label.removeprefix("base method ").removeprefix("DACA variant ")] = overrides
+    mu = 8 if path.stem in ("countdown", "sudoku") else 12
+    want = {
+        "Diffu-GRPO": dict(method="diffu_grpo", num_iterations=mu, beta=0.04),
+        "GDPO": dict(method="gdpo", num_iterations=mu, learning_rate=3e-7, beta=0.0),
+        "base": {"dps.enabled": False, "sml.enabled": False},
+        "+SML": {"dps.enabled": False, "sml.enabled": True},
+        "full DACA": {"dps.enabled": True, "sml.enabled": True},
+    }
+    assert want.keys() <= found.keys()
+    for label, expected in want.items():
+        cfg = load_config(path, found[label])
+        for key, value in expected.items():
+            section, _, name = key.rpartition(".")
+            assert getattr(getattr(cfg, section) if section else cfg, name) == value, label
+
+
+def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
+    est = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml"))
+    assert est.source == "built-in table" and est.parameters == 8_015_314_944
+    linear, embeddings = 32 * (4 * 4096**2 + 3 * 4096 * 12288), 2 * 126464 * 4096
+    assert est.resident["weights (4-bit NF4, embeddings bf16)"] == pytest.approx(
+        linear * NF4_BYTES + embeddings * 2
+    )
+    assert est.trainable == 335_544_320
+    assert est.resident["LoRA r=128 + gradients + AdamW (fp32)"] == 335_544_320 * 16
+    # Peak held rows per sequence, L (T + s - 1)^2 / (4 s T) = 256 * 131^2 / 2048 = 2145.125,
+    # each a bf16 row of the vocabulary plus its float32 logsumexp; 6 sequences per device.
+    assert dps_trace_rows(256, 128, 32, 4, "all") == 2145.125
+    trace = est.rollout["DPS trace (peak, scope all, s=4)"]
+    assert trace == 6 * 2145.125 * (126464 * 2 + 4)
+    # block scope: k = 16 steps per block, 32 (16 + 3)^2 / (4 * 4 * 16) = 45.125 rows
+    assert dps_trace_rows(256, 128, 32, 4, "block") == 45.125
+    full = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml", ["sml.enabled=true"]))
+    assert "SML views (K=4: activations + rows)" in full.update
+    assert full.peak > est.peak
+
+
+@pytest.mark.parametrize("scope", ["all", "block"])
+def test_trace_estimate_matches_the_recorders_measured_peak(scope):
+    torch.set_num_threads(1)
+    V, B, L, T, bl, s = 32, 2, 32, 16, 8, 2
+    ids = torch.randint(3, V, (B, 4), generator=torch.Generator().manual_seed(0))
+    out = generate(
+        random_mlm(vocab_size=V), ids, None, mask_id=1, gen_length=L, steps=T,
+        block_length=bl, temperature=0.9, generator=torch.Generator().manual_seed(1),
+        dps_stride=s, dps_scope=scope,
+    )  # fmt: skip
+    estimated = B * dps_trace_rows(L, T, bl, s, scope) * (V * 4 + 4)
+    assert 0.8 < out.trace_peak_bytes / estimated < 1.5
+
+
+def test_unknown_model_dry_run_still_succeeds(capsys):
+    assert main(["train", "--dry-run", "model=nobody/no-such-model-xyz"]) == 0
+    assert "memory estimate unavailable: unknown model" in capsys.readouterr().out
