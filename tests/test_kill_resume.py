@@ -170,6 +170,11 @@ def test_kill9_at_random_moments_then_resume_equals_uninterrupted(tiny_model_dir
     print("kills (target phase, phase at the kill, its step, exit status):", kills)
     assert {actual for _, actual, _, _ in kills} >= {"rollout", "update", "ckpt"}
     assert _checkpoints_complete_or_absent(run_dir)[-1] == MAX_STEPS
+    # The leftovers of the interrupted writes are gone; the last save_total_limit=2 remain.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        f"step-{MAX_STEPS - 1:07d}",
+        f"step-{MAX_STEPS:07d}",
+    ]
     name = f"checkpoints/step-{MAX_STEPS:07d}/model/model.safetensors"
     a, b = load_file(tmp_path / "straight" / name), load_file(run_dir / name)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -5,12 +5,15 @@ nothing hangs, and every error names what to fix (no traceback from deep inside)
 (Kills at random moments and ``--resume``: tests/test_kill_resume.py.)
 """
 
+import contextlib
+import dataclasses
 import errno
 import io
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,8 +21,11 @@ import sys
 import tempfile
 import threading
 import time
+import types
+import typing
 import uuid
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -29,7 +35,7 @@ from hypothesis import strategies as st
 
 from daca import checkpoint
 from daca.cli import main
-from daca.config import describe, load_config
+from daca.config import TrainConfig, describe, load_config
 from daca.models.loading import load
 from daca.models.prompts import fit_prompts, pad_prompts, prompt_limit
 from daca.rewards import RewardError, score_rewards
@@ -40,22 +46,28 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_kill_worker.py")
 
 
-def _task(name, reward, prompt=None) -> Task:
+def _task(name, reward, prompt=None, score=None) -> Task:
     """Sudoku rows with another reward (and prompt) a random model can be tested on."""
     sudoku = get_task("sudoku")
+    score = score or reward
     return Task(
         name=name,
         load=sudoku.load,
         chat_prompt=sudoku.chat_prompt,
         compact_prompt=prompt or sudoku.compact_prompt,
         reward_funcs=[reward],
-        score=lambda completions, **kw: reward(None, completions),
+        score=lambda completions, **kw: score(None, completions),
         columns=sudoku.columns,
     )
 
 
 def _ones(prompts, completions, **kw):
     return [c.count("1") / 16 for c in completions]
+
+
+def _varied(prompts, completions, **kw):
+    """A reward that differs between almost any two completions (so advantages are not 0)."""
+    return [sum(map(ord, c)) % 7 / 7 for c in completions]
 
 
 def _constant(prompts, completions, **kw):
@@ -80,8 +92,9 @@ def _hangs(prompts, completions, **kw):
 
 register_task("ones", lambda: _task("ones", _ones))
 register_task("constant", lambda: _task("constant", _constant))
+register_task("varied", lambda: _task("varied", _varied))
 register_task("seen", lambda: _task("seen", _record))
-register_task("hangs", lambda: _task("hangs", _hangs))
+register_task("hangs", lambda: _task("hangs", _hangs, score=_ones))
 # Prompts of 34 tokens for a model that reads 20: the puzzle twice.
 register_task("long", lambda: _task("long", _ones, lambda r: r["puzzle"] * 2 + "="))
 
@@ -222,6 +235,43 @@ _values = st.one_of(
 _keys = st.sampled_from(_KEYS + _SECTIONS + ["bogus", "dps.bogus", "generation.lenght", "lr"])
 
 
+def _field_types(cls=None, prefix: str = "") -> dict:
+    """Dotted key -> annotated type of every config field."""
+    cls = cls or TrainConfig
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_field_types(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = tp
+    return out
+
+
+def _typed(tp) -> st.SearchStrategy:
+    """Values of the right type (so that validation, not parsing, must catch them)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return st.sampled_from(list(args))
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*[st.none() if a is type(None) else _typed(a) for a in args])
+    if origin is list:
+        return st.lists(st.text(max_size=3), max_size=2)
+    return {
+        bool: st.booleans(),
+        int: st.integers(-2, 70),
+        float: st.one_of(st.floats(-2, 100), st.sampled_from([0.0, 1.0, math.nan, math.inf])),
+        str: st.one_of(st.text(max_size=6), st.sampled_from(["gauss-3", "gauss-", "a/b", ""])),
+    }[tp]
+
+
+_TYPES = _field_types()
+_typed_pairs = st.lists(
+    st.sampled_from(sorted(_TYPES)).flatmap(lambda k: _typed(_TYPES[k]).map(lambda v: (k, v))),
+    max_size=5,
+)
+
+
 def _nest(pairs: dict) -> dict:
     """Dotted keys to nested YAML sections (a clash keeps the first value)."""
     doc: dict = {}
@@ -244,7 +294,8 @@ def _nest(pairs: dict) -> dict:
 )
 @given(
     st.one_of(
-        st.dictionaries(_keys, _values, max_size=5).map(_nest),
+        st.dictionaries(_keys, _values, max_size=5).map(_nest),  # wrong types, unknown keys
+        _typed_pairs.map(dict).map(_nest),  # well typed: contradictions between fields
         st.text(max_size=30),  # any text at all: YAML or not, a mapping or not
     )
 )
@@ -351,17 +402,18 @@ def test_empty_completions_train_without_nan(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["method=wd1", "scale_rewards=group", "sml.enabled=true"],
-        ["method=diffu_grpo", "num_iterations=2"],
+        ["method=wd1", "scale_rewards=group"],
+        ["method=diffu_grpo", "num_iterations=2", "sml.enabled=true"],
         ["method=gdpo", "scale_rewards=group"],
     ],
-    ids=["wd1-sml-scaled", "diffu_grpo-mu2", "gdpo-scaled"],
+    ids=["wd1-scaled", "diffu_grpo-sml-mu2", "gdpo-scaled"],
 )
 def test_groups_with_equal_rewards_give_zero_advantages_and_no_nan(
     tiny_model_dir, tmp_path, overrides
 ):
     """Every completion scores 0.5: all advantages are 0, nothing is NaN (the group std of 0
-    is not divided by), and the update leaves the weights exactly as they were."""
+    is not divided by), and the update leaves the weights exactly as they were (wd1's SML term
+    would not: it does not depend on the advantages)."""
     trainer = Trainer(
         _cfg(tiny_model_dir, tmp_path, "eq", "task=constant", *overrides), progress=False
     )
@@ -386,18 +438,19 @@ def _poison(trainer, value: float, steps: set[int] | None):
 
 
 def test_a_nonfinite_step_is_skipped_and_counted(tiny_model_dir, tmp_path):
-    cfg = _cfg(tiny_model_dir, tmp_path, "nan1", "max_steps=3", "method=diffu_grpo")
+    cfg = _cfg(tiny_model_dir, tmp_path, "nan1", "max_steps=3", "method=diffu_grpo", "task=varied")
     trainer = Trainer(cfg, progress=False)
     _poison(trainer, float("nan"), steps={1})
-    snapshots = []
+    snapshots = [_params(trainer)]
     for _ in range(3):
         trainer.history.append(trainer.train_step())
         snapshots.append(_params(trainer))
     assert [h["nonfinite_skipped"] for h in trainer.history] == [0.0, 1.0, 0.0]
     assert math.isnan(trainer.history[1]["loss"])
-    assert _same(snapshots[0], snapshots[1])  # the NaN step changed nothing
-    assert not _same(snapshots[1], snapshots[2])  # and training went on
-    assert all(torch.isfinite(v).all() for v in snapshots[2].values())
+    assert not _same(snapshots[0], snapshots[1])
+    assert _same(snapshots[1], snapshots[2])  # the NaN step changed nothing
+    assert not _same(snapshots[2], snapshots[3])  # and training went on
+    assert all(torch.isfinite(v).all() for v in snapshots[3].values())
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -459,13 +512,16 @@ def test_a_hanging_reward_function_is_bounded_by_its_timeout(tiny_model_dir, tmp
 def test_a_raising_reward_function_stops_the_cli_with_its_name_and_example(
     tiny_model_dir, tmp_path, capsys
 ):
-    register_task("raises", lambda: _task("raises", lambda prompts, completions, **kw: 1 / 0))
+    def divides_by_zero(prompts, completions, **kw):
+        return [1 / 0 for _ in completions]
+
+    register_task("raises", lambda: _task("raises", divides_by_zero, score=_ones))
     code = main(
         ["train", *_args(tiny_model_dir, tmp_path, "raise", "task=raises"), "--no-progress"]
     )
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
-    assert re.search(r"error: reward function <lambda> failed on example 0 \(prompt '.*", err)
+    assert re.search(r"error: reward function divides_by_zero failed on example 0 \(prompt '", err)
     assert "ZeroDivisionError" in err
 
 
@@ -540,84 +596,107 @@ def test_an_error_on_one_rank_ends_both_processes(tiny_model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------- load
-def _malicious(i: int, sentinel: str, port: int) -> str:
-    """200 hostile programs of 10 kinds, each unique (run_many would run duplicates once)."""
-    kinds = [
-        "while True:\n    pass",  # busy forever: the time limit
-        "import time\ntime.sleep(60)",  # idle forever
-        "import os\nwhile True:\n    os.fork()",  # fork bomb: the process limit
-        "x = bytearray(1 << 34)",  # 16 GiB: the memory limit
-        f"open({sentinel!r}, 'w').write('escaped')",  # overwrite a file outside
-        f"import os\nos.remove({sentinel!r})",
-        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).send(b'x')",
-        # a daemon that outlives the program, then tries to write outside
-        f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3)\n"
-        f"    open({sentinel!r}, 'w').write('daemon')",
-        f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)",  # kill the trainer
-        "import sys\nsys.stdout.write('x' * (1 << 26))\nsys.exit(0)",  # flood, fake success
-    ]
-    return f"# {i}\n" + kinds[i % len(kinds)]
+# Hostile programs, each with the verdict reason the sandbox must give it. None: the program
+# itself may pass (its harm comes later, e.g. a daemon), or only the bounds are checked.
+_HOSTILE = [
+    ("while True:\n    pass", r"timed out"),  # busy forever: the wall-time limit
+    ("import time\ntime.sleep(60)", r"timed out"),  # idle forever
+    ("import os\nwhile True:\n    os.fork()", r"BlockingIOError|timed out|killed"),  # fork bomb
+    ("x = bytearray(1 << 34)", r"MemoryError|killed"),  # 16 GiB
+    ("open({sentinel!r}, 'w').write('escaped')", r"Read-only file system|Permission"),
+    ("import os\nos.remove({sentinel!r})", r"Read-only file system|Permission"),
+    (
+        "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).send(b'x')",
+        r"ConnectionRefused|PermissionError|unreachable",
+    ),
+    (  # a daemon that outlives the program, then writes outside
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3)\n"
+        "    open({sentinel!r}, 'w').write('daemon')",
+        None,
+    ),
+    ("import os, signal\nos.kill({pid}, signal.SIGKILL)", r"ProcessLookupError|Permission"),
+    ("import sys\nsys.stdout.write('x' * (1 << 26))\nsys.exit(0)", r"File too large|checks"),
+]
 
 
-def test_200_malicious_programs_in_the_sandbox_while_a_step_trains(
-    tiny_model_dir, tmp_path, monkeypatch
-):
+def test_200_malicious_programs_in_the_sandbox_while_a_step_trains(tiny_model_dir, tmp_path):
+    """200 hostile programs (10 kinds) scored 8 at a time while a training step runs in a
+    thread: the step finishes, every program gets its bounded verdict, nothing escapes
+    (a file outside, a listening socket, our own process), nothing is left running, and
+    every run's temporary folder is removed."""
     from daca import sandbox
 
     isolation = sandbox.isolation_available()
-    # Without bubblewrap and without root the sandbox runs as our own uid and cannot protect
-    # our files (daca.sandbox says so); then only the bounds are checked.
-    protects_files = isolation == "bwrap" or os.geteuid() == 0
+    # Without bubblewrap and without root the sandbox runs as our own uid: it cannot protect
+    # our files or catch a daemon (daca.sandbox says so). Then only the bounds are checked.
+    strong = isolation == "bwrap" or os.geteuid() == 0
     sentinel = Path("/var/tmp") / f"daca-sentinel-{uuid.uuid4().hex}"
     sentinel.write_text("intact")
     sentinel.chmod(0o644)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    # The sandbox's folders go here (reachable by the sandbox uid), to see that none is left.
+    scratch = Path(tempfile.mkdtemp(prefix="daca-load-"))
+    scratch.chmod(0o755)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     listener.settimeout(0.2)
-    port = listener.getsockname()[1]
-    trainer = Trainer(_cfg(tiny_model_dir, tmp_path, "load"), progress=False)
-    results, stats = [], []
+    values = {"sentinel": str(sentinel), "port": listener.getsockname()[1], "pid": os.getpid()}
+    kinds = [
+        (f"# program {i}\n" + code.format(**values), reason)
+        for i in range(200)
+        for code, reason in [_HOSTILE[i % len(_HOSTILE)]]
+    ]
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path, "load", "task=varied"), progress=False)
+    stats = []
     try:
-        codes = [_malicious(i, str(sentinel), port) for i in range(200)]
         step = threading.Thread(target=lambda: stats.append(trainer.train_step()))
         t0 = time.monotonic()
         step.start()
-        results = sandbox.run_many(
-            codes,
-            [["assert True"]] * len(codes),
-            workers=8,
-            timeout=1.0,
-            memory_mb=256,
-            max_procs=8,
-            max_file_mb=1,
-            scratch_mb=4,
-        )
-        step.join(120)
+        with _tempdir(scratch):
+            results = sandbox.run_many(
+                [code for code, _ in kinds],
+                [["assert True"]] * len(kinds),
+                workers=8,
+                timeout=1.0,
+                memory_mb=256,
+                max_procs=8,
+                max_file_mb=1,
+                scratch_mb=4,
+            )
         took = time.monotonic() - t0
+        step.join(120)
         assert not step.is_alive() and stats and _finite(stats[0])
-        time.sleep(3.5)  # a daemon that escaped would have written by now
+        assert took < 120
         assert len(results) == 200
-        for code, r in zip(codes, results, strict=True):
-            assert not r.passed, (code, r)
-        if protects_files:
-            assert sentinel.read_text() == "intact"
-        with pytest.raises(TimeoutError):
-            listener.accept()  # nobody connected
+        for (code, reason), r in zip(kinds, results, strict=True):
+            assert "start" not in r.reason, r  # the sandbox itself worked
+            if reason is not None and (strong or "sentinel" not in code):
+                said = r.reason + "\n" + r.stderr_tail  # a fork bomb's children talk too
+                assert not r.passed and re.search(reason, said), (code, said)
         assert list(scratch.iterdir()) == []  # every run's folder removed
-        left = [
-            pid
-            for pid in filter(str.isdigit, os.listdir("/proc"))
-            if _uid_of(pid) in range(40000, 60000)  # the sandbox's uids (as root)
-        ]
-        assert left == []
+        if strong:
+            time.sleep(3.5)  # an escaped daemon would have written by now
+            assert sentinel.read_text() == "intact"
+            with pytest.raises(TimeoutError):
+                listener.accept()  # nobody connected
+            if os.geteuid() == 0:  # the sandbox's own uids: nothing of theirs still runs
+                assert [p for p in os.listdir("/proc") if _uid_of(p) in range(40000, 60000)] == []
         print(f"200 malicious programs ({isolation}) beside a training step: {took:.1f} s")
     finally:
         listener.close()
         sentinel.unlink(missing_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _tempdir(path: Path):
+    """tempfile's folder set to ``path`` for the duration."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(path)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 def _uid_of(pid: str) -> int:

@@ -10,9 +10,26 @@ import torch
 
 from daca.config import GenerationConfig
 from daca.models.loading import LoadedModel
-from daca.models.prompts import decode_completions, encode_prompts, prompt_texts
+from daca.models.prompts import (
+    decode_completions,
+    fit_prompts,
+    pad_prompts,
+    prompt_texts,
+    prompt_token_ids,
+)
 from daca.sampler import Rollout, generate
 from daca.tasks import Task
+
+
+@dataclass
+class Generated:
+    """One completion per row, with what the trainer needs besides the text."""
+
+    texts: list[str]
+    rollout: Rollout
+    prompt_mask: torch.Tensor  # [B, P]
+    prompts: list[str]  # the prompt texts
+    truncated: int  # prompts cut to fit (``truncate=True``)
 
 
 def rollout(
@@ -21,17 +38,28 @@ def rollout(
     rows: list[dict],
     gen: GenerationConfig,
     *,
+    model=None,
     temperature: float | None = None,
     generator: torch.Generator | None = None,
     dps_stride: int | None = None,
     dps_scope: str = "all",
-) -> tuple[list[str], Rollout, torch.Tensor]:
-    """Generate one completion per row: (texts, Rollout, prompt attention mask)."""
-    device = next(bundle.model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(bundle, prompt_texts(bundle, task, rows))
+    limit: int | None = None,
+    truncate: bool = False,
+) -> Generated:
+    """Generate one completion per row with ``model`` (default ``bundle.model``).
+
+    Prompts longer than ``limit`` tokens (or the tiny model's width) are a ValueError, or with
+    ``truncate`` keep their last tokens (``daca.models.prompts.fit_prompts``)."""
+    model = bundle.model if model is None else model
+    prompts = prompt_texts(bundle, task, rows)
+    ids, cut = fit_prompts(
+        prompt_token_ids(bundle, prompts), limit, truncate=truncate, texts=prompts
+    )
+    prompt_ids, prompt_mask = pad_prompts(bundle, ids)
+    device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     out = generate(
-        bundle.model,
+        model,
         prompt_ids,
         prompt_mask,
         mask_id=bundle.mask_id,
@@ -45,7 +73,8 @@ def rollout(
         dps_stride=dps_stride,
         dps_scope=dps_scope,
     )
-    return decode_completions(bundle, out.completion_ids.cpu()), out, prompt_mask
+    texts = decode_completions(bundle, out.completion_ids.cpu())
+    return Generated(texts, out, prompt_mask, prompts, cut)
 
 
 @dataclass
@@ -92,14 +121,11 @@ def evaluate(
     try:
         for start in batches:
             chunk = rows[start : start + batch_size]
-            texts, _, _ = rollout(
-                bundle, task, chunk, gen, temperature=temperature, generator=generator
-            )
+            done = rollout(bundle, task, chunk, gen, temperature=temperature, generator=generator)
             columns = {c: [r.get(c) for r in chunk] for c in task.columns}
-            ptexts = prompt_texts(bundle, task, chunk)
-            scores += [float(s) for s in task.score(texts, **columns)]
-            completions += texts
-            prompts += ptexts
+            scores += [float(s) for s in task.score(done.texts, **columns)]
+            completions += done.texts
+            prompts += done.prompts
     finally:
         bundle.model.train(was_training)
     mean, ci = mean_ci95(scores)

@@ -24,18 +24,16 @@ from torch import Tensor
 from daca import checkpoint, dps, likelihood, objectives
 from daca.checkpoint import latest_checkpoint
 from daca.config import TrainConfig, resolved, to_dict, validate
+from daca.evaluation import rollout
 from daca.models.loading import LoadedModel, load
 from daca.models.prompts import (
     completion_mask,
-    decode_completions,
     fit_prompts,
-    pad_prompts,
     prompt_limit,
     prompt_texts,
     prompt_token_ids,
 )
 from daca.rewards import score_rewards
-from daca.sampler import generate
 from daca.tasks import get_task
 
 # Per-step counts: summed over micro-batches and processes (other numbers are averaged).
@@ -312,34 +310,20 @@ class Trainer:
     @torch.no_grad()
     def _generate(self, model, rows, *, temperature, generator=None, dps_stride=None):
         """One completion per row: (texts, Rollout, prompt mask, prompt texts, prompts cut)."""
-        g = self.cfg.generation
-        prompts = prompt_texts(self.bundle, self.task, rows)
-        ids, cut = fit_prompts(
-            prompt_token_ids(self.bundle, prompts),
-            self.prompt_limit,
-            truncate=self.cfg.truncate_prompts,
-            texts=prompts,
-        )
-        prompt_ids, prompt_mask = pad_prompts(self.bundle, ids)
-        device = next(model.parameters()).device
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        out = generate(
-            model,
-            prompt_ids,
-            prompt_mask,
-            mask_id=self.bundle.mask_id,
-            gen_length=g.gen_length,
-            steps=g.steps,
-            block_length=g.block_length,
+        done = rollout(
+            self.bundle,
+            self.task,
+            rows,
+            self.cfg.generation,
+            model=model,
             temperature=temperature,
-            cfg_scale=g.cfg_scale,
-            remasking=g.remasking,
             generator=generator,
             dps_stride=dps_stride,
             dps_scope=self.cfg.dps.scope,
+            limit=self.prompt_limit,
+            truncate=self.cfg.truncate_prompts,
         )
-        texts = decode_completions(self.bundle, out.completion_ids.cpu())
-        return texts, out, prompt_mask, prompts, cut
+        return done.texts, done.rollout, done.prompt_mask, done.prompts, done.truncated
 
     def _make_rollout(self, step: int, micro: int) -> tuple[RolloutBatch, dict]:
         cfg, G = self.cfg, self.cfg.num_generations
@@ -568,7 +552,7 @@ class Trainer:
                 self._nonfinite_cause = cause or "a non-finite loss on another process"
             else:
                 self.optimizer.step()
-            self.scheduler.step()
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         stats = _mean_dicts(stats_list)

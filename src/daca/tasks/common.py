@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 # The d1 reference system prompt (METHOD.md §5): reasoning, then the answer, in tags.
 SYSTEM_PROMPT = (
@@ -32,3 +34,48 @@ def answer_span(text: str) -> str:
 def chat_user_message(question: str) -> str:
     """The user turn for chat models: system prompt, then the question (as d1 does)."""
     return f"{SYSTEM_PROMPT}\n\n{question}"
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string, a message dict, or a TRL conversation (a list of
+    ``{"role", "content"}`` messages, whose last message is the completion)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    if isinstance(completion, list | tuple):
+        return completion_text(completion[-1]) if completion else ""
+    raise ValueError(f"a completion must be a string or a list of messages, got {completion!r}")
+
+
+def check_lengths(completions: list, **columns: list) -> None:
+    """Every column holds one entry per completion."""
+    for name, column in columns.items():
+        if len(column) != len(completions):
+            raise ValueError(f"{len(completions)} completions but {len(column)} {name!r} entries")
+
+
+GENERATED_SIZES = {"train": 2000, "test": 200}
+
+
+def generated_or_file(
+    split: str,
+    path: str | None,
+    limit: int | None,
+    seed: int,
+    gen_kwargs: dict[str, Any],
+    *,
+    read_file: Callable[[str], list[dict]],
+    generate: Callable[..., list[dict]],
+) -> list[dict]:
+    """Rows of the file at ``path`` (``split`` then only names it), else ``limit`` (default
+    2000 train / 200 test) generated rows; ``gen_kwargs`` go to the generator."""
+    if split not in GENERATED_SIZES:
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if path is not None:
+        if gen_kwargs:
+            raise ValueError(f"generator options {sorted(gen_kwargs)} do not apply to a file")
+        rows = read_file(path)
+        return rows if limit is None else rows[:limit]
+    n = GENERATED_SIZES[split] if limit is None else limit
+    return generate(n, split=split, seed=seed, **gen_kwargs)

@@ -20,11 +20,17 @@ from typing import Any
 
 from daca.tasks import Task
 from daca.tasks.arith import ExpressionError, evaluate
-from daca.tasks.common import answer_span, chat_user_message
+from daca.tasks.common import (
+    GENERATED_SIZES,
+    answer_span,
+    chat_user_message,
+    check_lengths,
+    completion_text,
+    generated_or_file,
+)
 from daca.tasks.files import read_countdown_jsonl
 
 TEST_PER_MILLE = 100  # share of number sets that belong to the test split
-DEFAULT_SIZES = {"train": 2000, "test": 200}
 CORRECT_REWARD = 1.0
 WELL_FORMED_REWARD = 0.1
 
@@ -114,7 +120,7 @@ def generate_problems(
     then a target uniformly among the integers in [1, max_target] that they reach (see
     ``solve_all`` for ``exact_division``), and keeps the shortest solution expression.
     """
-    if split not in DEFAULT_SIZES:
+    if split not in GENERATED_SIZES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if n < 0 or max_number < 3 or max_target < 1:
         raise ValueError(
@@ -164,22 +170,11 @@ def grade(completion: str, numbers: Sequence[int], target: int) -> float:
     return WELL_FORMED_REWARD
 
 
-def completion_text(completion: Any) -> str:
-    """A completion as text: a string, or TRL's conversational list (last message's content)."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
-def _check_lengths(completions: list, **columns: list) -> None:
-    for name, column in columns.items():
-        if len(column) != len(completions):
-            raise ValueError(f"{len(completions)} completions but {len(column)} {name!r} entries")
-
-
 def countdown_reward(
     prompts: list, completions: list, *, numbers: list, target: list, **kwargs: Any
 ) -> list[float]:
     """Training reward (TRL signature): ``grade`` of each completion (1.0 / 0.1 / 0.0)."""
-    _check_lengths(completions, numbers=numbers, target=target)
+    check_lengths(completions, numbers=numbers, target=target)
     return [
         grade(completion_text(c), nums, t)
         for c, nums, t in zip(completions, numbers, target, strict=True)
@@ -221,15 +216,15 @@ def load(
     """Rows of a Countdown JSONL file at ``path`` (``split`` then only names it), else
     ``limit`` (default 2000 train / 200 test) generated problems; ``gen_kwargs`` go to
     ``generate_problems`` (``max_number``, ``max_target``, ``exact_division``)."""
-    if split not in DEFAULT_SIZES:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if path is not None:
-        if gen_kwargs:
-            raise ValueError(f"generator options {sorted(gen_kwargs)} do not apply to a file")
-        rows = read_countdown_jsonl(path)
-        return rows if limit is None else rows[:limit]
-    n = DEFAULT_SIZES[split] if limit is None else limit
-    return generate_problems(n, split=split, seed=seed, **gen_kwargs)
+    return generated_or_file(
+        split,
+        path,
+        limit,
+        seed,
+        gen_kwargs,
+        read_file=read_countdown_jsonl,
+        generate=generate_problems,
+    )
 
 
 def make_task() -> Task:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from daca.tasks.common import answer_tag_span
+from daca.tasks.common import answer_tag_span, completion_text
 
 STRICT_FORMAT_RE = re.compile(
     r"<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\s*", re.DOTALL
@@ -32,18 +32,6 @@ STRICT_FORMAT_RE = re.compile(
 SOFT_FORMAT_RE = re.compile(r"\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 FORMAT_REWARD = 0.5
-
-
-def completion_text(completion: Any) -> str:
-    """The text of one completion: a string, a message dict, or a TRL conversation (a list of
-    ``{"role", "content"}`` messages, whose last message is the completion)."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        return str(completion.get("content", ""))
-    if isinstance(completion, list | tuple):
-        return completion_text(completion[-1]) if completion else ""
-    raise ValueError(f"a completion must be a string or a list of messages, got {completion!r}")
 
 
 def completion_texts(completions) -> list[str]:

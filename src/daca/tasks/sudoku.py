@@ -14,11 +14,16 @@ import re
 from typing import Any
 
 from daca.tasks import Task
-from daca.tasks.common import answer_span, chat_user_message
+from daca.tasks.common import (
+    answer_span,
+    chat_user_message,
+    check_lengths,
+    completion_text,
+    generated_or_file,
+)
 
 SPLIT_SEED = 0
 NUM_TRAIN_GRIDS = 240
-DEFAULT_SIZES = {"train": 2000, "test": 200}
 
 # Rows, columns and 2x2 boxes as lists of cell indices; PEERS[i] = cells sharing a unit with i.
 UNITS = (
@@ -168,22 +173,11 @@ def cell_accuracy(answer: str | None, puzzle: str, solution: str) -> float:
     return sum(answer[i] == solution[i] for i in blanks) / len(blanks)
 
 
-def completion_text(completion: Any) -> str:
-    """A completion as text: a string, or TRL's conversational list (last message's content)."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
-def _check_lengths(completions: list, **columns: list) -> None:
-    for name, column in columns.items():
-        if len(column) != len(completions):
-            raise ValueError(f"{len(completions)} completions but {len(column)} {name!r} entries")
-
-
 def sudoku_score(
     completions: list, *, puzzle: list[str], solution: list[str], **kwargs: Any
 ) -> list[float]:
     """Evaluation metric: blank-cell accuracy of each completion (``parse_answer`` rule)."""
-    _check_lengths(completions, puzzle=puzzle, solution=solution)
+    check_lengths(completions, puzzle=puzzle, solution=solution)
     return [
         cell_accuracy(parse_answer(completion_text(c)), p, s)
         for c, p, s in zip(completions, puzzle, solution, strict=True)
@@ -230,17 +224,11 @@ def load(
     """Rows of a ``Puzzle,Solution`` CSV at ``path`` (``split`` then only names it), else
     ``limit`` (default 2000 train / 200 test) generated puzzles; ``gen_kwargs`` go to
     ``generate_puzzles`` (``min_blanks``, ``max_blanks``, ``unique``)."""
-    if split not in DEFAULT_SIZES:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if path is not None:
-        if gen_kwargs:
-            raise ValueError(f"generator options {sorted(gen_kwargs)} do not apply to a file")
-        from daca.tasks.files import read_sudoku_csv  # files imports this module
+    from daca.tasks.files import read_sudoku_csv  # files imports this module
 
-        rows = read_sudoku_csv(path)
-        return rows if limit is None else rows[:limit]
-    n = DEFAULT_SIZES[split] if limit is None else limit
-    return generate_puzzles(n, split=split, seed=seed, **gen_kwargs)
+    return generated_or_file(
+        split, path, limit, seed, gen_kwargs, read_file=read_sudoku_csv, generate=generate_puzzles
+    )
 
 
 def make_task() -> Task:
