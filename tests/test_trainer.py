@@ -161,3 +161,29 @@ def test_rollout_records_for_inspect(tiny_model_dir, tmp_path):
             j = rec["birth_step"][b][n]
             expected = 1 + 0.5 * rec["norm_deltas"][b][j]
             assert abs(rec["multipliers"][b][n] - expected) < 1e-5
+
+
+def test_lora_trains_only_the_adapter_and_uses_the_base_as_reference(tiny_model_dir, tmp_path):
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path,
+        "lora",
+        "method=diffu_grpo",
+        "num_iterations=2",
+        "beta=0.04",
+        "lora.enabled=true",
+        "lora.r=4",
+        "lora.alpha=8",
+        "lora.dropout=0.0",
+    )
+    trainer = Trainer(cfg, progress=False)
+    assert trainer.ref_model is None  # the reference is the adapter-disabled base, no copy
+    before = _params(trainer)
+    trainer.train()
+    after = _params(trainer)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed)
+    rows = [json.loads(x) for x in (tmp_path / "lora" / "metrics.jsonl").open()]
+    assert all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0  # the policy left its base
+    saved = tmp_path / "lora" / "checkpoints" / "step-0000002" / "model"
+    assert (saved / "adapter_model.safetensors").is_file()
