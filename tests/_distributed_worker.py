@@ -12,34 +12,17 @@ import sys
 from pathlib import Path
 
 import torch
+from _tasks import sudoku_rows_task
 
 from daca import dps
 from daca.config import load_config
-from daca.tasks import Task, get_task, register_task
+from daca.tasks import register_task
 from daca.trainer import Trainer
-
-
-def _ones_task() -> Task:
-    """Sudoku prompts with a reward a random model can move: the share of '1' characters."""
-    sudoku = get_task("sudoku")
-
-    def ones(prompts, completions, **kw):
-        return [c.count("1") / 16 for c in completions]
-
-    return Task(
-        name="ones",
-        load=sudoku.load,
-        chat_prompt=sudoku.chat_prompt,
-        compact_prompt=sudoku.compact_prompt,
-        reward_funcs=[ones],
-        score=lambda completions, **kw: ones(None, completions),
-        columns=sudoku.columns,
-    )
 
 
 def main(out: Path, runs: list[list[str]]) -> None:
     torch.set_num_threads(1)
-    register_task("ones", _ones_task)
+    register_task("ones", lambda: sudoku_rows_task("ones"))
     record: dict[str, list] = {}
 
     # Spy on what the trainer hands to DPS and which prompts it draws (same calls, same results).

@@ -18,33 +18,27 @@ import sys
 import time
 
 import torch
+from _tasks import ones as share_of_ones
+from _tasks import sudoku_rows_task  # this folder is on sys.path: a script here
 
 import daca.trainer
 from daca import checkpoint
 from daca.cli import main
-from daca.tasks import Task, get_task, register_task
+from daca.tasks import Task, register_task
 from daca.trainer import Trainer
 
 
-def _ones_task(fail_on_rank1: bool = False) -> Task:
-    sudoku = get_task("sudoku")
+def _ones_failing_on_rank1() -> Task:
+    """The "ones" task whose reward raises on rank 1 after its first call."""
     calls = []
 
-    def ones(prompts, completions, **kw):
+    def ones(prompts, completions, **kw):  # the name the error message must report
         calls.append(1)
-        if fail_on_rank1 and os.environ.get("RANK") == "1" and len(calls) > 1:
+        if os.environ.get("RANK") == "1" and len(calls) > 1:
             raise RuntimeError("injected failure on rank 1")
-        return [c.count("1") / 16 for c in completions]
+        return share_of_ones(prompts, completions)
 
-    return Task(
-        name="ones",
-        load=sudoku.load,
-        chat_prompt=sudoku.chat_prompt,
-        compact_prompt=sudoku.compact_prompt,
-        reward_funcs=[ones],
-        score=lambda completions, **kw: [c.count("1") / 16 for c in completions],
-        columns=sudoku.columns,
-    )
+    return sudoku_rows_task("ones", ones, score=share_of_ones)
 
 
 def _phase(name: str, step: int) -> None:
@@ -107,8 +101,8 @@ def _install_phase_hooks(slow: float) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    register_task("ones", _ones_task)
-    register_task("ones_rank1_fails", lambda: _ones_task(fail_on_rank1=True))
+    register_task("ones", lambda: sudoku_rows_task("ones"))
+    register_task("ones_rank1_fails", _ones_failing_on_rank1)
     if os.environ.get("DACA_PHASES") == "1":
         _install_phase_hooks(float(os.environ.get("DACA_SLOW", "0.2")))
     sys.exit(main(sys.argv[1:]))

@@ -158,13 +158,13 @@ def test_scheduler_steps_once_per_optimizer_step(ranks):
 def test_held_out_is_the_mean_over_all_rows(ranks, tiny_model_dir):
     """Before training, the 2-rank held-out metric (3 + 2 rows, one rank padded) equals a
     single-process evaluation of the same 5 rows."""
-    from _distributed_worker import _ones_task
+    from _tasks import sudoku_rows_task
 
     from daca.config import load_config
     from daca.evaluation import evaluate
     from daca.models.loading import load
 
-    task = _ones_task()
+    task = sudoku_rows_task("ones")
     cfg = load_config(None, [f"model={tiny_model_dir}", *COMMON])
     rows = task.load(split="test", path=None, limit=cfg.eval_size, seed=cfg.seed)
     bundle = load(cfg.model, device="cpu")

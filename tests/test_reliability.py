@@ -30,6 +30,7 @@ from typing import Literal
 import pytest
 import torch
 import yaml
+from _tasks import ones, sudoku_rows_task
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,30 +40,11 @@ from daca.config import TrainConfig, describe, load_config
 from daca.models.loading import load
 from daca.models.prompts import fit_prompts, pad_prompts, prompt_limit
 from daca.rewards import RewardError, score_rewards
-from daca.tasks import Task, get_task, register_task
+from daca.tasks import register_task
 from daca.trainer import InputError, Trainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_kill_worker.py")
-
-
-def _task(name, reward, prompt=None, score=None) -> Task:
-    """Sudoku rows with another reward (and prompt) a random model can be tested on."""
-    sudoku = get_task("sudoku")
-    score = score or reward
-    return Task(
-        name=name,
-        load=sudoku.load,
-        chat_prompt=sudoku.chat_prompt,
-        compact_prompt=prompt or sudoku.compact_prompt,
-        reward_funcs=[reward],
-        score=lambda completions, **kw: score(None, completions),
-        columns=sudoku.columns,
-    )
-
-
-def _ones(prompts, completions, **kw):
-    return [c.count("1") / 16 for c in completions]
 
 
 def _varied(prompts, completions, **kw):
@@ -90,13 +72,13 @@ def _hangs(prompts, completions, **kw):
     return [0.0] * len(completions)
 
 
-register_task("ones", lambda: _task("ones", _ones))
-register_task("constant", lambda: _task("constant", _constant))
-register_task("varied", lambda: _task("varied", _varied))
-register_task("seen", lambda: _task("seen", _record))
-register_task("hangs", lambda: _task("hangs", _hangs, score=_ones))
+register_task("ones", lambda: sudoku_rows_task("ones", ones))
+register_task("constant", lambda: sudoku_rows_task("constant", _constant))
+register_task("varied", lambda: sudoku_rows_task("varied", _varied))
+register_task("seen", lambda: sudoku_rows_task("seen", _record))
+register_task("hangs", lambda: sudoku_rows_task("hangs", _hangs, score=ones))
 # Prompts of 34 tokens for a model that reads 20: the puzzle twice.
-register_task("long", lambda: _task("long", _ones, lambda r: r["puzzle"] * 2 + "="))
+register_task("long", lambda: sudoku_rows_task("long", ones, lambda r: r["puzzle"] * 2 + "="))
 
 SMALL = [
     "task=ones",
@@ -487,7 +469,7 @@ def test_a_hanging_reward_function_is_bounded_by_its_timeout(tiny_model_dir, tmp
         ):
             score_rewards([_hangs], [1.0], ["p"] * 2, ["a", "b"], {}, timeout=0.3)
         per, total, errors = score_rewards(
-            [_ones, _hangs], [1.0, 1.0], ["p"] * 2, ["11", "b"], {}, on_error="zero", timeout=0.3
+            [ones, _hangs], [1.0, 1.0], ["p"] * 2, ["11", "b"], {}, on_error="zero", timeout=0.3
         )
         assert per.tolist() == [[2 / 16, 0.0], [0.0, 0.0]] and errors == 2
         assert time.monotonic() - t0 < 5
@@ -515,7 +497,7 @@ def test_a_raising_reward_function_stops_the_cli_with_its_name_and_example(
     def divides_by_zero(prompts, completions, **kw):
         return [1 / 0 for _ in completions]
 
-    register_task("raises", lambda: _task("raises", divides_by_zero, score=_ones))
+    register_task("raises", lambda: sudoku_rows_task("raises", divides_by_zero, score=ones))
     code = main(
         ["train", *_args(tiny_model_dir, tmp_path, "raise", "task=raises"), "--no-progress"]
     )
