@@ -1,16 +1,12 @@
 """The trainer on 2 CPU processes (gloo) started by ``accelerate launch``, and the shipped
 accelerate configs. The worker (tests/_distributed_worker.py) records what each rank saw."""
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from _launch import launch_two
 
 pytest.importorskip("accelerate")
 
@@ -54,12 +50,6 @@ RUNS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir, tmp_path_factory):
     """Launch both runs in one ``accelerate launch``; returns [run][rank] records."""
@@ -68,37 +58,8 @@ def ranks(tiny_model_dir, tmp_path_factory):
     for i, run in enumerate(RUNS):
         args += (["::"] if i else []) + [f"model={tiny_model_dir}", f"output_dir={out}"]
         args += COMMON + run
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(CONFIGS / "cpu_2proc.yaml"),
-        "--num_processes",
-        str(WORLD),
-        "--main_process_port",
-        str(_free_port()),
-        str(WORKER),
-        str(out),
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"accelerate launch timed out:\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-4000:]
+    code, log = launch_two(WORKER, [str(out), *args], timeout=240)
+    assert code == 0, log[-4000:]
     return [
         [torch.load(out / f"run{i}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
         for i in range(len(RUNS))

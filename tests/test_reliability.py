@@ -14,10 +14,7 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,6 +27,7 @@ from typing import Literal
 import pytest
 import torch
 import yaml
+from _launch import launch_two
 from _tasks import ones, sudoku_rows_task
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -529,44 +527,16 @@ def test_an_error_on_one_rank_ends_both_processes(tiny_model_dir, tmp_path):
     marker = f"DACA_TEST_{uuid.uuid4().hex}"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     args = _args(tiny_model_dir, tmp_path, "ddp", "task=ones_rank1_fails", "max_steps=4")
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(port),
-        str(WORKER),
-        "train",
-        *args,
-        "--no-progress",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), marker: "1"}
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    code, log = launch_two(
+        WORKER,
+        ["train", *args, "--no-progress"],
+        timeout=180,
+        env={"TMPDIR": str(tmp), marker: "1"},
     )
-    try:
-        log, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"a failing rank left the other hanging:\n{log[-4000:]}")
     took = time.monotonic() - t0
-    assert proc.returncode != 0
+    assert code != 0
     assert "error: reward function ones failed on example 0" in log
     assert "injected failure on rank 1" in log
     time.sleep(0.5)
