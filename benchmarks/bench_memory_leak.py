@@ -43,23 +43,11 @@ def random_tiny_model(folder: Path) -> Path:
     """A small random model in the shipped tiny model's format (prompt width 20)."""
     from transformers.utils import logging as hf_logging
 
-    from daca.models.tiny import build_model, build_tokenizer, tiny_bert_config
+    from daca.models.tiny import new_tiny, save_tiny
 
     hf_logging.disable_progress_bar()
-    tok = build_tokenizer()
-    cfg = tiny_bert_config(
-        len(tok),
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=128,
-        max_positions=20 + 16,
-        pad_token_id=tok.pad_token_id,
-    )
-    build_model(cfg, seed=0).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    (folder / "daca.json").write_text(json.dumps({"family": "tiny", "prompt_width": 20}))
-    return folder
+    model, tok = new_tiny(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
+    return save_tiny(folder, model, tok)
 
 
 def main() -> int:

@@ -15,7 +15,6 @@ reward and update (the trainer's time_rollout / time_reward / time_update).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -35,25 +34,21 @@ def stand_in_model(folder: Path) -> Path:
     """A random model in the shipped tiny model's format and size (daca.pretrain defaults)."""
     from transformers.utils import logging as hf_logging
 
-    from daca.models.tiny import build_model, build_tokenizer, tiny_bert_config
+    from daca.models.tiny import new_tiny, save_tiny
     from daca.pretrain import PretrainConfig
 
     hf_logging.disable_progress_bar()
     p = PretrainConfig()
-    tok = build_tokenizer()
-    cfg = tiny_bert_config(
-        len(tok),
+    model, tok = new_tiny(
         hidden_size=p.hidden_size,
         num_layers=p.num_layers,
         num_heads=p.num_heads,
         intermediate_size=p.intermediate_size,
-        max_positions=p.prompt_width + p.gen_length,
-        pad_token_id=tok.pad_token_id,
+        prompt_width=p.prompt_width,
+        gen_length=p.gen_length,
+        seed=0,
     )
-    build_model(cfg, seed=0).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    (folder / "daca.json").write_text(json.dumps({"family": "tiny", "prompt_width": 20}))
-    return folder
+    return save_tiny(folder, model, tok)
 
 
 def main() -> None:

@@ -25,24 +25,16 @@ def _few_threads():
 
 def save_tiny_model(path, seed: int = 0, hidden_size: int = 32, num_layers: int = 1):
     """A random tiny BERT in the shipped model's format (daca.json, tokenizer), saved to path."""
-    import json
+    from daca.models.tiny import new_tiny, save_tiny
 
-    from daca.models.tiny import build_tokenizer, tiny_bert_config
-
-    tok = build_tokenizer()
-    cfg = tiny_bert_config(
-        len(tok),
+    model, tok = new_tiny(
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=2,
         intermediate_size=2 * hidden_size,
-        max_positions=36,
-        pad_token_id=tok.pad_token_id,
+        seed=seed,
     )
-    build_model(cfg, seed=seed).save_pretrained(path)
-    tok.save_pretrained(path)
-    (path / "daca.json").write_text(json.dumps({"family": "tiny", "prompt_width": 20}))
-    return path
+    return save_tiny(path, model, tok)
 
 
 @pytest.fixture(scope="session")

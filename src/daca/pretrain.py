@@ -9,11 +9,9 @@ at once, and RL needs a base model that is above chance but far from perfect.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +22,7 @@ from daca.evaluation import evaluate
 from daca.modeling import forward_logits, full_attention_mask
 from daca.models.loading import LoadedModel
 from daca.models.prompts import encode_prompts, encode_targets, prompt_texts
-from daca.models.tiny import build_model, build_tokenizer, tiny_bert_config
+from daca.models.tiny import new_tiny, save_tiny
 from daca.tasks import get_task
 
 
@@ -92,17 +90,15 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     test = {n: tasks[n].load(split="test", limit=cfg.eval_size, seed=cfg.seed) for n in names}
     stop_task = cfg.stop_task if cfg.stop_task in names else names[0]
 
-    tokenizer = build_tokenizer()
-    config = tiny_bert_config(
-        len(tokenizer),
+    model, tokenizer = new_tiny(
         hidden_size=cfg.hidden_size,
         num_layers=cfg.num_layers,
         num_heads=cfg.num_heads,
         intermediate_size=cfg.intermediate_size,
-        max_positions=cfg.prompt_width + cfg.gen_length,
-        pad_token_id=tokenizer.pad_token_id,
+        prompt_width=cfg.prompt_width,
+        gen_length=cfg.gen_length,
+        seed=cfg.seed,
     )
-    model = build_model(config, seed=cfg.seed)
     bundle = _bundle(model, tokenizer, cfg)
     gen = GenerationConfig(
         gen_length=cfg.gen_length, steps=cfg.steps, block_length=cfg.block_length, temperature=0.0
@@ -173,8 +169,6 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
         metrics = held_out(step)
 
     summary = {
-        "family": "tiny",
-        "prompt_width": cfg.prompt_width,
         "generation": asdict(gen),
         "pretrain": asdict(cfg),
         "steps_trained": step,
@@ -184,11 +178,8 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
         "eval_size": cfg.eval_size,
         "history": history,
     }
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "daca.json").write_text(json.dumps(summary, indent=1) + "\n")
+    out = save_tiny(cfg.out, model, tokenizer, prompt_width=cfg.prompt_width, **summary)
+    summary = {"family": "tiny", "prompt_width": cfg.prompt_width, **summary}
     log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {metrics[n]:.3f}" for n in names))
     return summary
 

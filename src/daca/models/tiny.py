@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -103,3 +106,40 @@ def build_model(config, seed: int = 0):
         torch.manual_seed(seed)
         model = cls(config)
     return model.eval()
+
+
+def new_tiny(
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    prompt_width: int = 20,
+    gen_length: int = 16,
+    seed: int = 0,
+):
+    """A fresh tiny BERT and its tokenizer, sized for prompts of ``prompt_width`` tokens and
+    completions of ``gen_length``."""
+    tokenizer = build_tokenizer()
+    config = tiny_bert_config(
+        len(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_positions=prompt_width + gen_length,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return build_model(config, seed=seed), tokenizer
+
+
+def save_tiny(folder, model, tokenizer, *, prompt_width: int = 20, **meta):
+    """Save in the shipped model's format: weights, tokenizer and the ``daca.json`` that
+    ``daca.models.load`` reads (family, prompt width, and whatever ``meta`` records)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    info = {"family": "tiny", "prompt_width": prompt_width, **meta}
+    (folder / "daca.json").write_text(json.dumps(info, indent=1) + "\n")
+    return folder
