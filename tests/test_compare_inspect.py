@@ -49,6 +49,7 @@ def test_grid_runs_skips_finished_cells_and_tabulates_means(grid, tmp_path):
         name = f"{row['method']}-{row['variant']}-seed0"
         summary = json.loads((grid["out"] / "runs" / name / "summary.json").read_text())
         assert row["mean"] == summary["held_out_after"] and row["std"] == 0.0
+        assert row["minutes"] > 0  # the cost column: training time from the run's metrics
     base = {r["method"]: r["mean"] for r in rows if r["variant"] == "base"}
     for row in rows:
         assert row["delta"] == pytest.approx(row["mean"] - base[row["method"]])
@@ -58,11 +59,36 @@ def test_grid_runs_skips_finished_cells_and_tabulates_means(grid, tmp_path):
     assert (grid["out"] / "sudoku-bars.png").is_file()
 
 
+def test_parallel_cells_give_the_same_numbers(grid, tmp_path, monkeypatch):
+    # One thread per worker, as in this process: float sums depend on the thread count.
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    serial = compare.run_grid(**grid)
+    logs = []
+    parallel = compare.run_grid(**{**grid, "out": tmp_path / "grid2", "jobs": 2}, log=logs.append)
+    assert sum("finished" in x for x in logs) == 4
+    assert [(r["held_out"], r["curve"]) for r in parallel] == [
+        (r["held_out"], r["curve"]) for r in serial
+    ]
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        compare.run_grid(**{**grid, "jobs": 0})
+
+
 def test_interrupted_cell_resumes(grid):
     compare.run_grid(**grid)
     run = grid["out"] / "runs" / "wd1-dps-seed0"
     (run / "summary.json").unlink()  # as if killed after its last checkpoint
     logs = []
+    # A report of the unfinished grid leaves the cell out and runs nothing.
+    partial = compare.run_grid(**grid, report_only=True, log=logs.append)
+    assert [(r["method"], r["variant"]) for r in partial] == [
+        ("wd1", "base"),
+        ("diffu_grpo", "base"),
+        ("diffu_grpo", "dps"),
+    ]
+    assert any("wd1-dps-seed0: not finished, left out" in x for x in logs)
+    assert not (run / "summary.json").exists()
+    assert "| wd1 | dps |" not in (grid["out"] / "sudoku-table.md").read_text()
+    logs.clear()
     compare.run_grid(**grid, log=logs.append)
     assert any("wd1-dps-seed0: resuming" in x for x in logs)
     assert sum("skipped" in x for x in logs) == 3
@@ -81,13 +107,32 @@ def test_table_statistics_by_hand():
     assert rows["dps"]["mean"] == pytest.approx(0.7)
     assert rows["dps"]["std"] == pytest.approx((0.08 / 3) ** 0.5)
     assert rows["dps"]["delta"] == pytest.approx(0.2)
+    assert rows["dps"]["delta_std"] is None  # runs without seeds cannot be paired
 
 
-def test_custom_variants_and_errors():
+def test_delta_error_bar_pairs_runs_by_seed():
+    held_out = {("base", 0): 0.40, ("base", 1): 0.60, ("dps", 0): 0.50, ("dps", 1): 0.64}
+    results = [
+        {"method": "wd1", "variant": v, "seed": s, "held_out": x} for (v, s), x in held_out.items()
+    ]
+    rows = {r["variant"]: r for r in compare.table_rows(results)}
+    # Per-seed Δ: 0.10 and 0.04, so Δ = 0.07 ± 0.03, while the unpaired stds are 0.10 and 0.07.
+    assert rows["dps"]["delta"] == pytest.approx(0.07)
+    assert rows["dps"]["delta_std"] == pytest.approx(0.03)
+    assert rows["dps"]["std"] == pytest.approx(0.07)
+    assert rows["base"]["delta_std"] == 0.0
+
+
+def test_custom_variants_and_errors(tmp_path, capsys):
     v = compare.parse_variants("base,raw:dps.enabled=true;dps.last_step=raw")
     assert v["raw"] == ["dps.enabled=true", "dps.last_step=raw"]
     with pytest.raises(ValueError, match="unknown variant 'dsp'"):
         compare.parse_variants("dsp")
+    # The command line answers bad input with one line and exit status 2, not a traceback.
+    assert main(["compare", "--methods", "wd2", "--out", str(tmp_path)]) == 2
+    assert "unknown method 'wd2'" in capsys.readouterr().err
+    assert main(["compare", "--report-only", "--out", str(tmp_path)]) == 2
+    assert "no finished cell" in capsys.readouterr().err
 
 
 def test_inspect_renders_png_and_html(grid, capsys):

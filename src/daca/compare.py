@@ -3,7 +3,8 @@
 Every cell is a ``daca train`` run with the same budget, seeds and data order; a finished cell
 (its ``summary.json`` exists) is never run again, an interrupted one resumes from its last
 checkpoint. The table reports the held-out metric at temperature 0, mean ± std over seeds, and
-the difference to the method's base row, like the paper's main table.
+the difference to the method's base row, like the paper's main table. ``--jobs N`` runs N cells
+side by side; ``--report-only`` tabulates a partial grid without running anything.
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import multiprocessing
+import os
+import shutil
 import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from daca.config import load_config
+from daca.config import ConfigError, load_config
 
 VARIANTS = {
     "base": ["dps.enabled=false", "sml.enabled=false"],
@@ -64,7 +70,7 @@ def parse_variants(text: str) -> dict[str, list[str]]:
         elif item in VARIANTS:
             out[item] = VARIANTS[item]
         else:
-            raise ValueError(f"unknown variant {item!r}; use {sorted(VARIANTS)} or name:key=value")
+            raise ConfigError(f"unknown variant {item!r}; use {sorted(VARIANTS)} or name:key=value")
     return out
 
 
@@ -75,6 +81,7 @@ def cell_overrides(cell: Cell, variants, out: Path, task: str, steps: int, extra
         f"task={task}",
         f"seed={cell.seed}",
         f"max_steps={steps}",
+        f"eval_every={max(1, steps // 2)}",  # a midpoint on the learning curves
         f"output_dir={out / 'runs'}",
         f"name={cell.name}",
         *extra,
@@ -92,71 +99,144 @@ def run_grid(
     config: str | None = None,
     overrides: tuple[str, ...] = (),
     progress: bool = True,
+    jobs: int = 1,
+    report_only: bool = False,
     log=print,
 ) -> list[dict]:
-    """Run (or resume, or skip) every cell; return one result row per cell."""
+    """Run (or resume, or skip) every cell; return one result row per finished cell.
+
+    jobs > 1 runs that many cells at once, each in its own process with an equal share of the
+    CPU threads: the tiny model does not use many threads well, so on a CPU this is the faster
+    way through a grid. Every cell is seeded, so the numbers do not depend on ``jobs``.
+    report_only: run nothing, and write the tables from the cells finished so far.
+    """
     from daca.checkpoint import latest_checkpoint
     from daca.trainer import train
 
+    if jobs < 1:
+        raise ConfigError(f"jobs must be >= 1, got {jobs}")
     for m in methods:
         if m not in METHOD_OVERRIDES:
-            raise ValueError(f"unknown method {m!r}; choose from {sorted(METHOD_OVERRIDES)}")
-    cells = [Cell(m, v, s) for m in methods for v in variants for s in range(seeds)]
+            raise ConfigError(f"unknown method {m!r}; choose from {sorted(METHOD_OVERRIDES)}")
+    # Seed-major order: an interrupted grid still has whole seeds' tables.
+    cells = [Cell(m, v, s) for s in range(seeds) for m in methods for v in variants]
     # Check every cell's config before the first run starts.
     configs = {
         c.name: load_config(config, cell_overrides(c, variants, out, task, steps, overrides))
         for c in cells
     }
-    results = []
+    pending = []
     for i, cell in enumerate(cells, 1):
         run_dir = out / "runs" / cell.name
-        summary_file = run_dir / "summary.json"
-        if summary_file.is_file():
+        if (run_dir / "summary.json").is_file():
             log(f"[{i}/{len(cells)}] {cell.name}: finished earlier, skipped")
-        else:
-            resume = latest_checkpoint(run_dir) is not None
-            log(f"[{i}/{len(cells)}] {cell.name}: {'resuming' if resume else 'running'}")
-            if not resume and run_dir.exists():  # started but no checkpoint: start again
-                import shutil
-
-                shutil.rmtree(run_dir)
-            train(configs[cell.name], resume=resume, progress=progress)
-        summary = json.loads(summary_file.read_text())
-        evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines() if x]
-        results.append(
-            {
-                "method": cell.method,
-                "variant": cell.variant,
-                "seed": cell.seed,
-                "held_out": summary["held_out_after"],
-                "held_out_before": summary["held_out_before"],
-                "curve": [(e["step"], e["held_out"]) for e in evals],
-            }
-        )
+            continue
+        if report_only:
+            log(f"[{i}/{len(cells)}] {cell.name}: not finished, left out of the tables")
+            continue
+        resume = latest_checkpoint(run_dir) is not None
+        if not resume and run_dir.exists():  # started but no checkpoint: start again
+            shutil.rmtree(run_dir)
+        label = f"[{i}/{len(cells)}] {cell.name}: {'resuming' if resume else 'running'}"
+        pending.append((label, configs[cell.name], resume))
+    if jobs == 1:
+        for label, cfg, resume in pending:
+            log(label)
+            train(cfg, resume=resume, progress=progress)
+    else:
+        _run_parallel(pending, jobs, log)
+    done = [(c, out / "runs" / c.name) for c in cells]
+    results = [_result(c, d) for c, d in done if (d / "summary.json").is_file()]
+    if not results:
+        raise FileNotFoundError(f"no finished cell under {out / 'runs'} to report")
     write_reports(results, out, task)
     return results
 
 
+def _result(cell: Cell, run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines() if x]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return {
+        "method": cell.method,
+        "variant": cell.variant,
+        "seed": cell.seed,
+        "held_out": summary["held_out_after"],
+        "held_out_before": summary["held_out_before"],
+        "curve": [(e["step"], e["held_out"]) for e in evals],
+        # Training time (rollouts, rewards, updates; not the evaluations), for the grid's cost.
+        "train_seconds": sum(
+            h["time_rollout"] + h["time_reward"] + h["time_update"] for h in steps
+        ),
+    }
+
+
+def _train_cell(cfg, resume: bool, threads: int) -> None:
+    import torch
+
+    from daca.trainer import train
+
+    torch.set_num_threads(threads)
+    train(cfg, resume=resume, progress=False)
+
+
+def _run_parallel(pending, jobs: int, log) -> None:
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    context = multiprocessing.get_context("spawn")  # no forked torch thread pools
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {}
+        for label, cfg, resume in pending:
+            futures[pool.submit(_train_cell, cfg, resume, threads)] = label
+            log(f"{label} (queued, {jobs} at a time)")
+        try:
+            for future in as_completed(futures):
+                future.result()
+                log(f"{futures[future].split(': ')[0]}: finished")
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # a failed cell stops the grid; finished cells stay
+            raise
+
+
+TABLE_FIELDS = ["method", "variant", "mean", "std", "seeds", "delta", "delta_std", "minutes"]
+
+
 def table_rows(results: list[dict]) -> list[dict]:
-    """Mean ± std (population; 0 for one seed) per (method, variant), and Δ to the base row."""
-    groups: dict[tuple[str, str], list[float]] = {}
+    """Mean ± std (population; 0 for one seed) per (method, variant), and Δ to the base row:
+    the mean ± std of the per-seed differences where every seed has its base run."""
+    groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
-        groups.setdefault((r["method"], r["variant"]), []).append(r["held_out"])
+        groups.setdefault((r["method"], r["variant"]), []).append(r)
     rows = []
-    for (method, variant), vals in groups.items():
-        mean = statistics.fmean(vals)
+    for (method, variant), runs in groups.items():
+        vals = [r["held_out"] for r in runs]
+        seconds = [r["train_seconds"] for r in runs if "train_seconds" in r]
         rows.append(
             {
                 "method": method,
                 "variant": variant,
-                "mean": mean,
+                "mean": statistics.fmean(vals),
                 "std": statistics.pstdev(vals),
                 "seeds": len(vals),
+                "minutes": statistics.fmean(seconds) / 60 if seconds else None,
             }
         )
     base = {r["method"]: r["mean"] for r in rows if r["variant"] == "base"}
-    for r in rows:
-        r["delta"] = r["mean"] - base[r["method"]] if r["method"] in base else None
+    # A seed shares its data order and held-out problems with the base run of the same seed,
+    # so the spread of the per-seed differences is the fair error bar on Δ.
+    base_of = {
+        (r["method"], r["seed"]): r["held_out"]
+        for r in results
+        if r["variant"] == "base" and "seed" in r
+    }
+    for row in rows:
+        runs = groups[(row["method"], row["variant"])]
+        keys = [(row["method"], r.get("seed")) for r in runs]
+        if all(k in base_of for k in keys):  # the same seeds as base: Δ is the mean of pairs
+            diffs = [r["held_out"] - base_of[k] for r, k in zip(runs, keys, strict=True)]
+            row["delta"], row["delta_std"] = statistics.fmean(diffs), statistics.pstdev(diffs)
+        else:
+            row["delta"] = row["mean"] - base[row["method"]] if row["method"] in base else None
+            row["delta_std"] = None
     return rows
 
 
@@ -164,18 +244,22 @@ def write_reports(results: list[dict], out: Path, task: str) -> None:
     rows = table_rows(results)
     out.mkdir(parents=True, exist_ok=True)
     with (out / f"{task}-table.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=["method", "variant", "mean", "std", "seeds", "delta"])
+        w = csv.DictWriter(fh, fieldnames=TABLE_FIELDS)
         w.writeheader()
         w.writerows(rows)
     lines = [
-        f"| method | variant | held-out {task} (mean ± std) | Δ vs base | seeds |",
-        "|---|---|---|---|---|",
+        f"| method | variant | held-out {task} (mean ± std) | Δ vs base (± std of the "
+        "per-seed Δ) | seeds | min per run |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta = "" if r["delta"] is None or r["variant"] == "base" else f"{100 * r['delta']:+.1f}"
+        if delta and r["delta_std"] is not None:
+            delta += f" ± {100 * r['delta_std']:.1f}"
+        minutes = "" if r["minutes"] is None else f"{r['minutes']:.1f}"
         lines.append(
             f"| {r['method']} | {r['variant']} | {100 * r['mean']:.1f} ± "
-            f"{100 * r['std']:.1f} | {delta} | {r['seeds']} |"
+            f"{100 * r['std']:.1f} | {delta} | {r['seeds']} | {minutes} |"
         )
     (out / f"{task}-table.md").write_text("\n".join(lines) + "\n")
     (out / f"{task}-results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -196,7 +280,10 @@ def _plots(results, rows, out: Path, task: str) -> None:
             curves = [r["curve"] for r in results if r["method"] == m and r["variant"] == v]
             steps = [s for s, _ in curves[0]]
             mean = [statistics.fmean(c[i][1] for c in curves) for i in range(len(steps))]
-            ax.plot(steps, mean, marker="o", label=v)
+            (line,) = ax.plot(steps, mean, marker="o", label=v)
+            if len(curves) > 1:  # each seed's run, faint, behind the mean
+                for c in curves:
+                    ax.plot(*zip(*c, strict=True), color=line.get_color(), alpha=0.25, lw=0.8)
         ax.set(title=f"{task}: {m}", xlabel="step", ylabel="held-out metric")
         ax.legend()
     fig.tight_layout()
@@ -227,35 +314,57 @@ def add_arguments(p) -> None:
         help="the DPS ablation grid on wd1 (overrides --methods/--variants)",
     )
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200, help="training steps per cell")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=100,
+        help="training steps per cell (100: a full 3 × 4 × 3 grid is 2.7 CPU-hours)",
+    )
     p.add_argument("--config", help="base YAML recipe for every cell")
     p.add_argument("--out", default="compare", help="output folder")
     p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="cells run at once, each in its own process with an equal share of the CPU threads",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: write the tables and plots from the cells finished so far",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
-        help="one seed, 60 steps, wd1 only, base and dps (≈ 15 min on 2 cores)",
+        help="one seed, 60 steps, base and dps of each method (about 10 min on 2 CPU cores)",
     )
 
 
 def run(args) -> int:
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    variants = parse_variants(args.variants)
-    seeds, steps = args.seeds, args.steps
-    if args.ablation:
-        methods, variants = ["wd1"], ABLATIONS[args.ablation]
-    if args.quick:
-        methods, seeds, steps = ["wd1"], 1, 60
-        variants = {k: VARIANTS[k] for k in ("base", "dps")}
-    out = Path(args.out) / (args.ablation or args.task)
-    run_grid(
-        task=args.task,
-        methods=methods,
-        variants=variants,
-        seeds=seeds,
-        steps=steps,
-        out=out,
-        config=args.config,
-        overrides=tuple(args.overrides),
-    )
+    try:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        variants = parse_variants(args.variants)
+        seeds, steps = args.seeds, args.steps
+        if args.ablation:
+            methods, variants = ["wd1"], ABLATIONS[args.ablation]
+        if args.quick:
+            seeds, steps = 1, 60
+            variants = {k: VARIANTS[k] for k in ("base", "dps")}
+        out = Path(args.out) / (args.ablation or args.task)
+        run_grid(
+            task=args.task,
+            methods=methods,
+            variants=variants,
+            seeds=seeds,
+            steps=steps,
+            out=out,
+            config=args.config,
+            overrides=tuple(args.overrides),
+            jobs=args.jobs,
+            report_only=args.report_only,
+        )
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print((out / f"{args.task}-table.md").read_text())
     return 0
