@@ -79,7 +79,11 @@ class TrainConfig:
 
     name: str = _f("tiny-sudoku-wd1-dps", "run name: outputs go to output_dir/name")
     output_dir: str = _f("runs", "folder holding the run folders")
-    model: str = _f("tiny", "model: 'tiny' (shipped), a local folder, or a hub name")
+    model: str = _f(
+        "tiny",
+        "model: 'tiny' (the shipped model of the task: 'tiny' for Sudoku, 'tiny-countdown' "
+        "for Countdown), a local folder, or a hub name",
+    )
     task: str = _f("sudoku", "task name (daca.tasks.get_task)")
     data_file: str | None = _f(None, "training data file (else the task generates or downloads)")
     eval_file: str | None = _f(None, "held-out data file (else the task's test split)")
@@ -282,7 +286,11 @@ VARIANT_SWITCHES = {
 
 
 def resolved(cfg: TrainConfig) -> TrainConfig:
-    """Fill the fields left to the method or the variant (``beta``, DPS/SML switches)."""
+    """Fill the fields left to the task, the method or the variant (``model``, ``beta``,
+    DPS/SML switches)."""
+    from daca.models.loading import tiny_for_task
+
+    cfg = dataclasses.replace(cfg, model=tiny_for_task(cfg.model, cfg.task))
     if cfg.beta is None:
         cfg = dataclasses.replace(cfg, beta=METHOD_BETA[cfg.method])
     if cfg.variant is not None:

@@ -16,7 +16,11 @@ from daca.config import GenerationConfig
 
 
 def _add_generation(p) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny', a local folder or a hub name")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (the shipped model of the task), a local folder or a hub name",
+    )
     p.add_argument("--task", required=True, help="task name (sudoku, countdown, gsm8k, ...)")
     p.add_argument("--data-file", help="local data file in the task's format")
     p.add_argument("--split", default="test")
@@ -63,11 +67,11 @@ def add_sample_arguments(p) -> None:
 
 
 def _setup(args):
-    from daca.models.loading import load
+    from daca.models.loading import load, tiny_for_task
     from daca.tasks import get_task
 
     dtype = torch.bfloat16 if str(args.device).startswith("cuda") else None
-    bundle = load(args.model, device=args.device, dtype=dtype)
+    bundle = load(tiny_for_task(args.model, args.task), device=args.device, dtype=dtype)
     task = get_task(args.task)
     return bundle, task, _generation(args, bundle)
 

@@ -201,6 +201,7 @@ def add_arguments(p) -> None:
         help="stop once the held-out metric of --stop-task reaches this (negative: never)",
     )
     p.add_argument("--stop-task", default=d.stop_task)
+    p.add_argument("--train-size", type=int, default=d.train_size, help="examples per task")
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
     p.add_argument("--num-layers", type=int, default=d.num_layers)
 
@@ -217,6 +218,7 @@ def run(args) -> int:
         eval_size=args.eval_size,
         target_accuracy=None if args.target_accuracy < 0 else args.target_accuracy,
         stop_task=args.stop_task,
+        train_size=args.train_size,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
     )

@@ -143,17 +143,17 @@ def shape_from_config(c: dict) -> ModelShape:
 
 def model_shape(name_or_path: str | None) -> tuple[ModelShape, str]:
     """(shape, where it came from) for a model name or folder, without loading weights."""
-    from daca.models.loading import TINY_PATH
+    from daca.models.loading import SHIPPED
 
     name = str(name_or_path or "tiny")
-    folder = TINY_PATH if name == "tiny" else Path(name)
+    folder = SHIPPED.get(name, Path(name))
     if (folder / "config.json").is_file():
         return shape_from_config(json.loads((folder / "config.json").read_text())), "config.json"
     key = name.rstrip("/").rsplit("/", 1)[-1].lower()
     if key in KNOWN_SHAPES:
         return KNOWN_SHAPES[key], "built-in table"
-    if name == "tiny":
-        raise FileNotFoundError(f"the shipped tiny model is missing from {TINY_PATH}")
+    if name in SHIPPED:
+        raise FileNotFoundError(f"the shipped model {name!r} is missing from {SHIPPED[name]}")
     try:
         from huggingface_hub import try_to_load_from_cache
 

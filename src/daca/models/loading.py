@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 TINY_PATH = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+# The shipped tiny models, by name: one per embedded task (the tiny model is too small to learn
+# both Sudoku and Countdown well at once).
+SHIPPED = {"tiny": TINY_PATH, "tiny-countdown": TINY_PATH.parent / "tiny-countdown"}
 
 
 @dataclass(frozen=True)
@@ -73,14 +76,22 @@ class LoadedModel:
 
 
 def resolve(name_or_path: str | None) -> str:
-    if name_or_path in (None, "", "tiny"):
-        if not (TINY_PATH / "config.json").is_file():
+    name = str(name_or_path or "tiny")
+    if name in SHIPPED:
+        if not (SHIPPED[name] / "config.json").is_file():
             raise FileNotFoundError(
-                f"the shipped tiny model is missing from {TINY_PATH}; run `daca pretrain` "
+                f"the shipped model {name!r} is missing from {SHIPPED[name]}; run `daca pretrain` "
                 "or reinstall daca-grpo"
             )
-        return str(TINY_PATH)
-    return str(name_or_path)
+        return str(SHIPPED[name])
+    return name
+
+
+def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
+    """``"tiny"`` means the shipped model of the task: Countdown has its own."""
+    if name_or_path in (None, "", "tiny") and task == "countdown":
+        return "tiny-countdown"
+    return name_or_path
 
 
 def family_of(model_type: str | None, meta: dict) -> str:
