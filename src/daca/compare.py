@@ -318,7 +318,7 @@ def add_arguments(p) -> None:
         "--steps",
         type=int,
         default=100,
-        help="training steps per cell (100: a full 3 × 4 × 3 grid is 2.7 CPU-hours)",
+        help="training steps per cell (100: a full 3 × 4 × 3 grid is 2.6 CPU-hours)",
     )
     p.add_argument("--config", help="base YAML recipe for every cell")
     p.add_argument("--out", default="compare", help="output folder")
