@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daca.config import ConfigError, load_config
+from daca.tasks.formats import read_records
 
 VARIANTS = {
     "base": ["dps.enabled=false", "sml.enabled=false"],
@@ -138,9 +139,9 @@ def run_grid(
         if not resume and run_dir.exists():  # started but no checkpoint: start again
             shutil.rmtree(run_dir)
         label = f"[{i}/{len(cells)}] {cell.name}: {'resuming' if resume else 'running'}"
-        pending.append((label, configs[cell.name], resume))
+        pending.append((cell.name, label, configs[cell.name], resume))
     if jobs == 1:
-        for label, cfg, resume in pending:
+        for _, label, cfg, resume in pending:
             log(label)
             train(cfg, resume=resume, progress=progress)
     else:
@@ -155,8 +156,8 @@ def run_grid(
 
 def _result(cell: Cell, run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
-    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines() if x]
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    evals = read_records(run_dir / "evals.jsonl")
+    steps = read_records(run_dir / "metrics.jsonl")
     return {
         "method": cell.method,
         "variant": cell.variant,
@@ -185,13 +186,13 @@ def _run_parallel(pending, jobs: int, log) -> None:
     context = multiprocessing.get_context("spawn")  # no forked torch thread pools
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         futures = {}
-        for label, cfg, resume in pending:
-            futures[pool.submit(_train_cell, cfg, resume, threads)] = label
+        for name, label, cfg, resume in pending:
+            futures[pool.submit(_train_cell, cfg, resume, threads)] = name
             log(f"{label} (queued, {jobs} at a time)")
         try:
             for future in as_completed(futures):
                 future.result()
-                log(f"{futures[future].split(': ')[0]}: finished")
+                log(f"{futures[future]}: finished")
         except BaseException:
             pool.shutdown(cancel_futures=True)  # a failed cell stops the grid; finished cells stay
             raise
