@@ -1,14 +1,21 @@
 """GPU smoke test: a few real training steps of a random LLaDA-shaped model through the trainer.
 
-The model is a bidirectional ModernBERT of LLaDA's vocabulary and head size with ~1.1 B
-parameters (hidden 2048, 16 layers, MLP 6144), bf16, a rank-128 LoRA and gradient checkpointing,
-on 4x4 Sudoku prompts left padded to 200 tokens (the reference codes' prompt budget). Each base
-method runs as base and as full DACA (DPS + SML) at L = 256, 128 denoising steps, blocks of 32,
-G = 6; the script prints per run the median step time, the rollout's share of it and the peak
-GPU memory, and per method the overhead ratios: DPS = rollout time full / base (recording the
-trace is the only difference there), SML = update time full / base. With bitsandbytes
-installed, one more run loads the base model in 4-bit NF4 (QLoRA). Sized for < 5 minutes on
-one H100/H200; runs past ``--budget`` seconds are skipped.
+The model is a random LLaDA-8B-shaped model of ~1.2 B parameters: LLaDA's architecture (a Llama
+block: RMSNorm, RoPE θ 5e5, SwiGLU, no bias, untied head, bidirectional), its vocabulary (126464)
+and special ids, its head size (128) and MLP ratio (3), at hidden 2048 and 12 layers. It is
+written in LLaDA's hub layout (``model_type`` "llada", LLaDA's key names, through
+``daca.models.native``) and loaded by the trainer through ``daca.models.load`` exactly as
+LLaDA-8B is (a GPU machine here cannot download LLaDA). bf16, LoRA r 128 on q … down_proj,
+gradient checkpointing, 4x4 Sudoku prompts (the tokenizer is the tiny models' character one)
+left padded to 200 tokens with the attention mask, so that each rollout forward has the
+reference codes' prompt budget.
+
+Each base method runs as base and as full DACA (DPS + SML) at L = 256, 128 denoising steps,
+blocks of 32, G = 6; the script prints per run the median step time, the rollout's share of it
+and the peak GPU memory, and per method the overhead ratios: DPS = rollout time full / base
+(recording the trace is the only difference there), SML = update time full / base. With
+bitsandbytes installed, one more run loads the base model in 4-bit NF4 (QLoRA). Sized for
+< 5 minutes on one H100/H200; runs past ``--budget`` seconds are skipped.
 
     python benchmarks/gpu_smoke.py            # on a GPU (see gpu_smoke.sh)
     python benchmarks/gpu_smoke.py --tiny     # the same code paths on a CPU in seconds
@@ -19,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import statistics
 import tempfile
 import time
@@ -29,36 +35,47 @@ from pathlib import Path
 import torch
 
 from daca.config import load_config
-from daca.models.tiny import build_model, build_tokenizer, tiny_config
+from daca.models.native import LLaDAForDiffusionLM, llama_config
+from daca.models.tiny import build_tokenizer, save_tiny, tiny_llada_config
 from daca.trainer import Trainer
 
-GPU = dict(vocab=126464, hidden=2048, layers=16, heads=16, mlp=6144, prompt_width=200,
+# LLaDA-8B-Instruct's vocabulary and special ids (<|mdm_mask|>; <|endoftext|> as EOS and pad,
+# and <|eot_id|>, which LLaDA's tokenizer adds and the character tokenizer here lacks): the
+# rollout's logits, sampling and end-of-text handling run at the real scale and ids.
+LLADA_VOCAB = dict(vocab_size=126464, embedding_size=126464, mask_token_id=126336,
+                   eos_token_id=[126081, 126348], pad_token_id=126081)  # fmt: skip
+# --tiny: a vocabulary of 256 with the special ids past the tokenizer's 23 characters, as above.
+TINY_VOCAB = dict(vocab_size=256, embedding_size=256, mask_token_id=255,
+                  eos_token_id=[254, 253], pad_token_id=254)  # fmt: skip
+GPU = dict(hidden=2048, layers=12, heads=16, mlp=6144, prompt_width=200, vocab=LLADA_VOCAB,
            gen_length=256, steps=128, block_length=32)  # fmt: skip
-TINY = dict(vocab=64, hidden=64, layers=2, heads=2, mlp=128, prompt_width=24,
+TINY = dict(hidden=64, layers=2, heads=2, mlp=192, prompt_width=24, vocab=TINY_VOCAB,
             gen_length=16, steps=8, block_length=8)  # fmt: skip
 RATIO_BETA = {"diffu_grpo": 0.04, "gdpo": 0.0, "wd1": 0.0}
 
 
 def save_random_model(folder: Path, size: dict, dtype: torch.dtype, device: str) -> int:
-    """A random LLaDA-shaped masked LM in the shipped model's folder format; its parameters.
-    Initialised on ``device`` (a GPU initialises a billion parameters in a moment)."""
-    cfg = tiny_config(
-        size["vocab"],
+    """A random LLaDA-8B-shaped model in LLaDA's hub layout (``save_tiny``: hub key names and
+    config.json, the tokenizer, a ``daca.json`` of compact prompts left padded to
+    ``prompt_width``); its parameters. Initialised on ``device`` (a GPU initialises a billion
+    parameters in a moment); the seed fixes the weights without touching the global RNG."""
+    tokenizer = build_tokenizer()
+    hub = tiny_llada_config(
+        tokenizer,
         hidden_size=size["hidden"],
         num_layers=size["layers"],
         num_heads=size["heads"],
         intermediate_size=size["mlp"],
-        max_positions=size["prompt_width"] + size["gen_length"] + 64,
+        max_positions=4096,  # LLaDA-8B's max_sequence_length
     )
-    with torch.device(device):
-        model = build_model(cfg, seed=0).to(dtype)
-    model.save_pretrained(folder)
+    hub.update(size["vocab"], rope_theta=500000.0)
+    cuda = list(range(torch.cuda.device_count())) if device != "cpu" else []
+    with torch.random.fork_rng(devices=cuda), torch.device(device):
+        torch.manual_seed(0)
+        model = LLaDAForDiffusionLM(llama_config(hub)).to(dtype)
+    save_tiny(folder, model, tokenizer, prompt_width=size["prompt_width"])
     n = sum(p.numel() for p in model.parameters())
     del model
-    build_tokenizer().save_pretrained(folder)
-    # The tiny family: compact Sudoku prompts, left padded to a fixed width.
-    meta = {"family": "tiny", "prompt_width": size["prompt_width"]}
-    (folder / "daca.json").write_text(json.dumps(meta))
     return n
 
 
@@ -72,7 +89,7 @@ def run(folder, out, name, method, variant, size, args, extra=()) -> dict:
         "gradient_accumulation_steps=1", f"max_steps={args.steps}", "train_size=60",
         "eval_size=6", "tensorboard=false", f"bf16={str(cuda).lower()}",
         "gradient_checkpointing=true", "lora.enabled=true", "lora.r=128", "lora.alpha=64",
-        "lora.target_modules=[Wqkv, Wo, Wi]", f"device={'cuda' if cuda else 'cpu'}",
+        f"device={'cuda' if cuda else 'cpu'}",  # LoRA targets: LLaDA's default, q … down_proj
         f"generation.gen_length={size['gen_length']}", f"generation.steps={size['steps']}",
         f"generation.block_length={size['block_length']}", "generation.temperature=0.9",
         f"dps.enabled={str(variant == 'full').lower()}",
@@ -94,6 +111,41 @@ def run(folder, out, name, method, variant, size, args, extra=()) -> dict:
     return {"step": step, "rollout_share": med["time_rollout"] / step, "peak_gib": peak, **med}
 
 
+def cached_rollout(folder: Path, size: dict, args) -> None:
+    """Rollout time with the block KV cache (docs/rollouts.md): ``cache`` none vs dual, without
+    and with the DPS trace (s = 4), 6 prompts of the model's width, the run's L and steps."""
+    from daca.models import load
+    from daca.sampler import generate
+
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    bundle = load(str(folder), device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(4, 20, (6, size["prompt_width"]), generator=g, device=device)
+    gen = dict(
+        gen_length=size["gen_length"], steps=size["steps"], block_length=size["block_length"]
+    )
+    times = {}
+    for cache in ("none", "dual"):
+        for stride in (None, 4):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = generate(bundle.model, prompt, mask_id=bundle.mask_id, cache=cache,
+                           dps_stride=stride, **gen)  # fmt: skip
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[cache, stride] = time.perf_counter() - t0
+            f = out.forwards
+            took = times[cache, stride]
+            print(f"  rollout cache={cache:5s} dps_stride={stride}: {took:6.2f} s "
+                  f"(forwards {f['full']} full / {f['block']} block)")  # fmt: skip
+    for stride in (None, 4):
+        ratio = times["none", stride] / times["dual", stride]
+        print(f"  dual vs none, dps_stride={stride}: {ratio:.2f}x")
+    del bundle
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (code check)")
@@ -101,6 +153,7 @@ def main() -> None:
     ap.add_argument("--mu", type=int, default=2, help="μ of the ratio methods (paper: 8-12)")
     ap.add_argument("--methods", default="diffu_grpo,wd1,gdpo")
     ap.add_argument("--budget", type=float, default=270.0, help="skip runs after this many s")
+    ap.add_argument("--no-cache-rollout", action="store_true", help="skip the cached rollout")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames
     start = time.perf_counter()
@@ -116,7 +169,8 @@ def main() -> None:
         folder, out = Path(tmp) / "model", Path(tmp) / "runs"
         n = save_random_model(folder, size, dtype, "cpu" if args.tiny else "cuda")
         print(
-            f"random LLaDA-shaped model: {n / 1e6:,.1f} M parameters, vocab {size['vocab']}, "
+            f"random LLaDA-8B-shaped model (LLaDA hub layout): {n / 1e6:,.1f} M parameters, "
+            f"vocab {size['vocab']['vocab_size']}, d {size['hidden']} x {size['layers']} layers, "
             f"prompts {size['prompt_width']} + L {size['gen_length']}, {size['steps']} steps, "
             f"block {size['block_length']}, G 6, LoRA r 128, μ {args.mu} (ratio methods)"
         )
@@ -152,6 +206,9 @@ def main() -> None:
         else:
             r = run(folder, out, "wd1-full-4bit", "wd1", "full", size, args, ["load_in_4bit=true"])
             print(f"QLoRA wd1 full DACA: step {r['step']:.2f} s, peak {r['peak_gib']:.2f} GiB")
+        if not args.no_cache_rollout:
+            print("rollout with the block KV cache (6 prompts):")
+            cached_rollout(folder, size, args)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

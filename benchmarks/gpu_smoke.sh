@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU smoke test of real-scale training: a ~1.1 B-parameter random LLaDA-shaped model, bf16,
-# LoRA r 128, L = 256, 128 denoising steps, blocks of 32, G = 6, a few trainer steps of each
-# base method as base and as full DACA (plus a 4-bit QLoRA run when bitsandbytes is installed).
+# GPU smoke test of real-scale training: a ~1.2 B-parameter random LLaDA-8B-shaped model (LLaDA's
+# architecture, vocabulary, special ids and head size, written in LLaDA's hub layout and loaded
+# through daca.models.load as LLaDA-8B is), bf16, LoRA r 128, L = 256, 128 denoising steps,
+# blocks of 32, G = 6, a few trainer steps of each base method as base and as full DACA (plus a
+# 4-bit QLoRA run when bitsandbytes is installed).
 # Prints step time, rollout share, peak GPU memory and the DPS and SML overhead ratios.
 # Sized for < 5 minutes on one H100/H200-class GPU.
 #

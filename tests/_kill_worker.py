@@ -9,7 +9,10 @@ Usage: python tests/_kill_worker.py train key=value ... [--resume RUN_DIR]
   update, ckpt = a checkpoint write, saved = its end), and each phase widened by DACA_SLOW
   seconds in its middle (between generation and rewards, between a loss and its backward, and
   between the two halves of each checkpoint file written with torch.save), so that a kill at
-  a random moment after the line lands inside the phase.
+  a random moment after the line lands inside the phase;
+- with DACA_NAN_STEP=k (and DACA_NAN_RANK=r, default 0), a NaN loss at step k on rank r;
+- with DACA_OOM_STEP=k (and DACA_OOM_RANK=r, default 1), an out-of-memory error there;
+- under an FSDP launch config, FSDP2 on CPU processes (see ``_fsdp_on_cpu``).
 """
 
 import io
@@ -99,10 +102,65 @@ def _install_phase_hooks(slow: float) -> None:
     torch.save = torn_save
 
 
+def _nan_loss_at(step: int, rank: str) -> None:
+    """The loss of every micro-batch of training step ``step`` (0-based) is NaN on ``rank``
+    only: the other rank must skip the update too."""
+    loss = Trainer._loss
+
+    def nan_loss(self, batch, it, seed):
+        value, metrics = loss(self, batch, it, seed)
+        if self.step == step and os.environ.get("RANK") == rank:
+            value = value + float("nan")
+        return value, metrics
+
+    Trainer._loss = nan_loss
+
+
+def _out_of_memory_at(step: int, rank: str) -> None:
+    """Training step ``step`` (0-based) runs out of memory on ``rank`` in its first loss, the
+    way CUDA reports it, while the other rank goes on into the next collective."""
+    loss = Trainer._loss
+
+    def oom_loss(self, batch, it, seed):
+        if self.step == step and os.environ.get("RANK") == rank:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return loss(self, batch, it, seed)
+
+    Trainer._loss = oom_loss
+
+
+def _fsdp_on_cpu() -> None:
+    """Let ``accelerate launch`` with an FSDP config run FSDP2 on CPU processes (gloo).
+
+    Accelerate upgrades a multi-GPU launch to FSDP but never a multi-CPU one, although FSDP2's
+    ``fully_shard`` runs on CPU with gloo: here the upgrade is made for CPU too, so that the
+    trainer goes through accelerate's FSDP paths (sharded DTensor parameters, gathered state
+    dicts, ``save_state``/``load_state`` of a sharded model and optimizer) on this machine.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def init_with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    AcceleratorState.__init__ = init_with_fsdp
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    if os.environ.get("ACCELERATE_USE_FSDP") == "true":
+        _fsdp_on_cpu()
     register_task("ones", lambda: sudoku_rows_task("ones"))
     register_task("ones_rank1_fails", _ones_failing_on_rank1)
     if os.environ.get("DACA_PHASES") == "1":
         _install_phase_hooks(float(os.environ.get("DACA_SLOW", "0.2")))
+    if "DACA_OOM_STEP" in os.environ:
+        _out_of_memory_at(int(os.environ["DACA_OOM_STEP"]), os.environ.get("DACA_OOM_RANK", "1"))
+    if "DACA_NAN_STEP" in os.environ:
+        _nan_loss_at(int(os.environ["DACA_NAN_STEP"]), os.environ.get("DACA_NAN_RANK", "0"))
     sys.exit(main(sys.argv[1:]))

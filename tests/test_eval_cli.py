@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from daca.cli import main
 from daca.tasks.files import write_countdown_jsonl, write_sudoku_csv
 from daca.tasks.sudoku import generate_puzzles
@@ -90,3 +92,36 @@ def test_sample_prints_answers(tiny_model_dir, capsys):
     )
     out = capsys.readouterr().out
     assert out.count("completion:") == 2 and "mean score" in out
+
+
+def test_a_training_checkpoint_is_a_model_eval_accepts(tiny_model_dir, tmp_path, capsys):
+    """`daca eval --model runs/<run>/checkpoints/step-N/model`: the tiny model's compact
+    prompts and the run's generation settings come from the checkpoint's daca.json."""
+    from daca.config import load_config
+    from daca.modeling import forward_logits
+    from daca.models import load
+    from daca.trainer import Trainer
+
+    overrides = [f"model={tiny_model_dir}", f"output_dir={tmp_path}", "name=run", "max_steps=1",
+                 "eval_every=0", "eval_size=4", "train_size=8", "tensorboard=false",
+                 "per_device_train_batch_size=12", "num_generations=6",
+                 "generation.steps=4", "generation.block_length=8"]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), progress=False)
+    trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000001" / "model"
+    saved = load(str(checkpoint))
+    assert saved.prompt_format == "compact" and saved.meta["generation"]["block_length"] == 8
+    ids = torch.randint(3, 20, (2, 10))
+    model = trainer.acc.unwrap_model(trainer.model).eval()
+    assert torch.equal(forward_logits(saved.model, ids), forward_logits(model, ids))
+    out = tmp_path / "eval.jsonl"
+    code = main(["eval", "--task", "sudoku", "--model", str(checkpoint), "--limit", "3",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0 and len(out.read_text().splitlines()) == 3
+    assert "L=16, steps=4, block=8" in capsys.readouterr().out
+
+
+def test_eval_of_a_folder_that_is_no_model_is_one_line(tmp_path, capsys):
+    assert main(["eval", "--task", "sudoku", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err

@@ -112,8 +112,10 @@ def _checkpoints_complete_or_absent(run_dir: Path) -> list[int]:
             continue
         assert (p / "COMPLETE").is_file(), f"{p} is a checkpoint without its COMPLETE marker"
         load_file(p / "model" / "model.safetensors")
+        load_file(p / "state" / "model.safetensors")
         state = torch.load(p / "trainer_state.pt", weights_only=False)
-        torch.load(p / "rng_state_0.pt", weights_only=False)
+        for name in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+            torch.load(p / "state" / name, weights_only=False)
         assert state["step"] == int(p.name[5:]) == len(state["history"])
         steps.append(state["step"])
     return steps

@@ -1,4 +1,4 @@
-"""daca.likelihood: mean-field, SML and the GDPO ELBO (METHOD.md §3, §4).
+"""daca.likelihood: mean-field, SML, the GDPO ELBO and coupled-GRPO (METHOD.md §3, §4, §6).
 
 Most checks use an ORACLE model built from an explicit joint p(x) over short sequences: at each
 masked position its logits are the exact log p(x_n | visible tokens), every other masked position
@@ -14,6 +14,8 @@ import torch
 from conftest import random_mlm
 
 from daca.likelihood import (
+    coupled_logp,
+    coupled_masks,
     elbo_masks,
     elbo_token_terms,
     elbo_token_terms_from_masks,
@@ -463,3 +465,265 @@ def test_bad_inputs_raise():
         elbo_token_terms_from_masks(
             oracle, q, o, torch.ones(2, 3, 4, dtype=torch.bool), t, w, mask_id=MASK
         )
+
+
+# ---------------------------------------------------------------- GDPO masks among real tokens
+
+
+def test_elbo_masks_only_real_tokens_and_count_from_the_real_length():
+    """⌊t·N⌋ among the N real tokens, never padding after EOS: the ELBO bounds the N tokens the
+    GDPO loss divides by (before: ⌊t·L⌋ positions drawn among all L)."""
+    t, _ = quadrature_nodes("gauss-3")  # 0.113, 0.5, 0.887
+    real = torch.zeros(3, 10, dtype=torch.bool)
+    real[0, :4] = True  # N = 4: ⌊t·4⌋ = 0, 2, 3 -> 1, 2, 3
+    real[1, :] = True  # N = 10: 1, 5, 8
+    # row 2: no real token -> nothing masked
+    m = elbo_masks(3, 10, t, generator=gen(0), completion_mask=real)
+    assert m.sum(-1).tolist() == [[1, 1, 0], [2, 5, 0], [3, 8, 0]]
+    assert not (m & ~real).any()
+    # all real: exactly the masks drawn without a completion mask (the draw is unchanged)
+    full = torch.ones(3, 10, dtype=torch.bool)
+    assert torch.equal(
+        elbo_masks(3, 10, t, generator=gen(0), completion_mask=full),
+        elbo_masks(3, 10, t, generator=gen(0)),
+    )
+    # uniform among the real positions: each of the C(4, 2) = 6 subsets ~1/6 of the time
+    many = elbo_masks(
+        6000,
+        6,
+        t,
+        generator=gen(1),
+        completion_mask=torch.tensor([[1] * 4 + [0] * 2]).bool().expand(6000, 6),
+    )
+    pat = torch.tensor([1, 0, 1, 0, 0, 0]).bool()
+    assert abs((many[1] == pat).all(-1).double().mean().item() - 1 / 6) < 0.03
+
+
+def test_elbo_terms_with_padding_mask_only_real_tokens(mlm):
+    q, o = batch(B=2, L=8)
+    real = torch.ones(2, 8, dtype=torch.bool)
+    real[0, 3:] = False  # N = 3 and 8
+    spy = Spy(mlm)
+    with torch.no_grad():
+        terms = elbo_token_terms(spy, q, o, mask_id=MID, generator=gen(2), completion_mask=real)
+    (ids,) = spy.inputs
+    hidden = ids[:, 5:].view(3, 2, 8) == MID
+    assert not (hidden & ~real).any()  # no padding masked
+    assert hidden.sum(-1).tolist() == [[1, 1], [1, 4], [2, 7]]  # max(1, ⌊t·N⌋), N = 3 and 8
+    assert (terms[0, 3:] == 0).all() and (terms[0, :3] != 0).any()
+
+
+# ---------------------------------------------------------------- given masks and strata
+
+
+def test_given_strata_prompt_masks_and_elbo_masks_reproduce_the_drawn_ones(mlm):
+    q, o = batch(B=3, P=5, L=8)
+    with torch.no_grad():
+        k_of = strata_assignment(3, 8, 4, "random", generator=gen(5))
+        drawn = stratified_logp(mlm, q, o, mask_id=MID, num_strata=4, generator=gen(5))
+        given = stratified_logp(mlm, q, o, mask_id=MID, num_strata=4, strata=k_of)
+        assert torch.equal(drawn, given)
+
+        hide = torch.rand(q.shape, generator=gen(6)) < 0.3  # mean_field_logp's documented draw
+        drawn = mean_field_logp(mlm, q, o, mask_id=MID, p_mask_prompt=0.3, generator=gen(6))
+        given = mean_field_logp(mlm, q, o, mask_id=MID, prompt_hide=hide)
+        assert torch.equal(drawn, given)
+        assert torch.equal(given, mean_field_logp(mlm, q.masked_fill(hide, MID), o, mask_id=MID))
+
+        t, _ = quadrature_nodes("gauss-3")
+        masks = elbo_masks(3, 8, t, generator=gen(7))
+        drawn = elbo_token_terms(mlm, q, o, mask_id=MID, generator=gen(7))
+        given = elbo_token_terms(mlm, q, o, mask_id=MID, masks=masks)
+        assert torch.equal(drawn, given)
+
+
+def test_given_masks_replace_the_trl_side_doors(mlm):
+    """The core calls that replace ``stratified_logp_from_strata`` and the pre-masked prompt of
+    ``integrations/trl.py`` give the same numbers."""
+    trl = pytest.importorskip("daca.integrations.trl")
+    q, o = batch(B=2, P=5, L=8)
+    am = torch.ones_like(q)
+    am[1, :2] = 0
+    k_of = strata_assignment(2, 8, 4, "random", generator=gen(8))
+    hide = (torch.rand(q.shape, generator=gen(9)) < 0.5) & am.bool()
+    with torch.no_grad():
+        side = trl.stratified_logp_from_strata(
+            mlm, q, o, k_of, mask_id=MID, num_strata=4, attention_mask=am
+        )
+        core = stratified_logp(mlm, q, o, mask_id=MID, num_strata=4, strata=k_of, attention_mask=am)
+        assert torch.equal(core, side)
+        side = mean_field_logp(mlm, q.masked_fill(hide, MID), o, mask_id=MID, attention_mask=am)
+        core = mean_field_logp(mlm, q, o, mask_id=MID, prompt_hide=hide, attention_mask=am)
+        assert torch.equal(core, side)
+
+
+def test_given_masks_bad_inputs_raise():
+    oracle = random_joint(5)
+    q, o = split(oracle, torch.arange(3))
+    with pytest.raises(ValueError, match="strata values"):
+        stratified_logp(oracle, q, o, mask_id=MASK, num_strata=2, strata=torch.full((3, 4), 2))
+    with pytest.raises(ValueError, match="integer assignment"):
+        stratified_logp(oracle, q, o, mask_id=MASK, num_strata=2, strata=torch.zeros(3, 3).long())
+    with pytest.raises(ValueError, match="not both"):
+        mean_field_logp(
+            oracle, q, o, mask_id=MASK, p_mask_prompt=0.1, prompt_hide=torch.zeros_like(q).bool()
+        )
+    with pytest.raises(ValueError, match="prompt_hide must be bool"):
+        mean_field_logp(oracle, q, o, mask_id=MASK, prompt_hide=torch.zeros(3, 2).bool())
+    with pytest.raises(ValueError, match="completion_mask"):
+        elbo_masks(3, 4, quadrature_nodes()[0], completion_mask=torch.ones(3, 5).bool())
+
+
+# ---------------------------------------------------------------- coupled-GRPO (DiffuCoder)
+
+
+def coupled_by_hand(oracle, seq, masks_b, ratios):
+    """ℓ^C_n = (ℓ(all hidden) + Σ_i [n ∈ M_i] ℓ(M_i)/t_i + [n ∉ M_i] ℓ(¬M_i)/(1-t_i)) / (λ+1),
+    every conditional by brute force over the joint."""
+    L = len(seq) - 1
+    out = []
+    for n in range(L):
+        total = oracle.cond(seq, 1 + n, set(range(1, L + 1)))
+        for m, t in zip(masks_b, ratios, strict=True):
+            inside = {1 + j for j in range(L) if m[j]}
+            if m[n]:
+                total += oracle.cond(seq, 1 + n, inside) / t
+            else:
+                total += oracle.cond(seq, 1 + n, set(range(1, L + 1)) - inside) / (1 - t)
+        out.append(total / (len(ratios) + 1))
+    return out
+
+
+@pytest.mark.parametrize("num_pairs", [1, 2])
+def test_coupled_logp_matches_a_hand_computation(num_pairs):
+    oracle = random_joint(5)
+    rows = torch.tensor([3, 50, 121, 240])
+    q, o = split(oracle, rows)
+    masks, ratios = coupled_masks(4, 4, num_pairs=num_pairs, generator=gen(1))
+    got = coupled_logp(oracle, q, o, mask_id=MASK, num_pairs=num_pairs, generator=gen(1))
+    assert got.shape == (4, 4)
+    for b, seq in enumerate(oracle.support[rows].tolist()):
+        want = coupled_by_hand(oracle, seq, masks[:, b].tolist(), ratios.tolist())
+        torch.testing.assert_close(got[b], torch.tensor(want, dtype=torch.float64))
+    given = coupled_logp(oracle, q, o, mask_id=MASK, masks=masks, ratios=ratios)
+    assert torch.equal(got, given)
+    assert oracle.calls == 2  # 1 + 2λ views in one batched forward per call
+
+
+def test_coupled_logp_fixed_masks_by_hand():
+    """t = 1/4: masked in M -> ℓ/(1/4) = 4ℓ, else the complement's ℓ/(3/4)."""
+    oracle = random_joint(5)
+    rows = torch.tensor([10, 200])
+    q, o = split(oracle, rows)
+    masks = torch.tensor([[[1, 0, 0, 1], [0, 0, 0, 0]]]).bool()  # row 1: M empty, ¬M everything
+    got = coupled_logp(
+        oracle, q, o, mask_id=MASK, masks=masks, ratios=torch.tensor([0.25], dtype=torch.float64)
+    )
+    full = {1, 2, 3, 4}
+    s0, s1 = oracle.support[rows].tolist()
+    want0 = [
+        (oracle.cond(s0, 1, full) + 4 * oracle.cond(s0, 1, {1, 4})) / 2,
+        (oracle.cond(s0, 2, full) + oracle.cond(s0, 2, {2, 3}) / 0.75) / 2,
+        (oracle.cond(s0, 3, full) + oracle.cond(s0, 3, {2, 3}) / 0.75) / 2,
+        (oracle.cond(s0, 4, full) + 4 * oracle.cond(s0, 4, {1, 4})) / 2,
+    ]
+    want1 = [(1 + 1 / 0.75) * oracle.cond(s1, n, full) / 2 for n in range(1, 5)]
+    torch.testing.assert_close(got, torch.tensor([want0, want1], dtype=torch.float64))
+
+
+def test_coupled_views_score_every_token_exactly_once_per_pair(mlm):
+    q, o = batch(B=3, P=5, L=10)
+    spy = Spy(mlm)
+    with torch.no_grad():
+        coupled_logp(spy, q, o, mask_id=MID, num_pairs=3, generator=gen(4))
+    (ids,) = spy.inputs  # 1 + 2·3 views of B rows in one forward
+    assert ids.shape == (7 * 3, 15)
+    assert (ids[:, :5] == q.repeat(7, 1)).all()  # the prompt is never masked
+    hidden = ids[:, 5:].view(7, 3, 10) == MID
+    assert hidden[0].all()  # the full mask x_T
+    pairs = hidden[1:].view(3, 2, 3, 10)
+    assert (pairs.sum(1) == 1).all()  # each token hidden in exactly one view of each pair
+    assert torch.equal(pairs[:, 0], coupled_masks(3, 10, num_pairs=3, generator=gen(4))[0])
+    comp = ids[:, 5:].view(7, 3, 10)
+    assert torch.equal(torch.where(hidden, o, comp), o.expand(7, 3, 10))
+
+
+def test_coupled_masks_draws_and_ratios():
+    masks, t = coupled_masks(2000, 50, num_pairs=4, generator=gen(0))
+    g = gen(0)  # the documented draws
+    u = torch.rand(4, dtype=torch.float64, generator=g)
+    draw = torch.rand(4, 2000, 50, dtype=torch.float64, generator=g)
+    torch.testing.assert_close(t, 0.2 + 0.6 * u)
+    assert torch.equal(masks, draw < t[:, None, None])
+    assert ((t >= 0.2) & (t <= 0.8)).all()
+    freq = masks.double().mean((1, 2))
+    torch.testing.assert_close(freq, t, atol=0.01, rtol=0)  # masked with probability t
+    t_many = coupled_masks(1, 1, num_pairs=4000, generator=gen(1))[1]
+    assert abs(t_many.mean().item() - 0.5) < 0.01 and t_many.min() >= 0.2 and t_many.max() <= 0.8
+    a = coupled_masks(3, 7, t_range=(0.5, 0.5), generator=gen(2))[1]
+    assert a.tolist() == [0.5]
+    for bad in ((0.0, 0.5), (0.6, 0.5), (0.2, 1.0)):
+        with pytest.raises(ValueError, match="t_range"):
+            coupled_masks(2, 3, t_range=bad)
+    with pytest.raises(ValueError, match="num_pairs"):
+        coupled_masks(2, 3, num_pairs=0)
+
+
+def test_coupled_matches_diffucoder_reference_formula(mlm):
+    """λ = 1 is DiffuCoder's selective_log_softmax: (p0 + where(mask, p1 / t, p2 / (1 - t))) / 2
+    with p0, p1, p2 the log-probs of the full, masked and reverse-masked views."""
+    q, o = batch(B=2, P=5, L=8)
+    masks, t = coupled_masks(2, 8, generator=gen(3))
+    views = [torch.ones_like(masks[0]), masks[0], ~masks[0]]
+    with torch.no_grad():
+        p = []
+        for m in views:
+            ids = torch.cat([q, torch.where(m, MID, o)], 1)
+            lp = mlm(ids).logits[:, 5:].log_softmax(-1).gather(-1, o[..., None])[..., 0]
+            p.append(lp)
+        t = t.item()
+        want = (p[0] + torch.where(masks[0], p[1] / t, p[2] / (1 - t))) / 2
+        got = coupled_logp(mlm, q, o, mask_id=MID, generator=gen(3))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_coupled_invariants(mlm):
+    q, o = batch(B=2, L=9)
+    am = torch.ones_like(q)
+    with torch.no_grad():
+        ref = coupled_logp(mlm, q, o, mask_id=MID, num_pairs=2, generator=gen(7))
+        for vpf in (1, 2, 5):
+            got = coupled_logp(
+                mlm, q, o, mask_id=MID, num_pairs=2, generator=gen(7), views_per_forward=vpf
+            )
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(ref, coupled_logp(mlm, q, o, mask_id=MID, num_pairs=2, generator=gen(7)))
+        assert not torch.equal(
+            ref, coupled_logp(mlm, q, o, mask_id=MID, num_pairs=2, generator=gen(8))
+        )
+        with_am = coupled_logp(
+            mlm, q, o, mask_id=MID, num_pairs=2, generator=gen(7), attention_mask=am
+        )
+        torch.testing.assert_close(with_am, ref, atol=1e-5, rtol=1e-5)
+    oracle = random_joint(5)
+    q, o = split(oracle, torch.arange(3))
+    with pytest.raises(ValueError, match="both masks and ratios"):
+        coupled_logp(oracle, q, o, mask_id=MASK, masks=torch.ones(1, 3, 4).bool())
+    with pytest.raises(ValueError, match="masks must be bool"):
+        coupled_logp(
+            oracle, q, o, mask_id=MASK, masks=torch.ones(1, 3, 5).bool(), ratios=torch.ones(1) / 2
+        )
+    with pytest.raises(ValueError, match="ratios"):
+        coupled_logp(
+            oracle, q, o, mask_id=MASK, masks=torch.ones(1, 3, 4).bool(), ratios=torch.ones(1)
+        )
+
+
+def test_coupled_gradients_flow():
+    model = random_mlm(32, seed=1).train()
+    q, o = batch(B=2, L=6)
+    out = coupled_logp(model, q, o, mask_id=MID, generator=gen(0))
+    assert out.requires_grad
+    out.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0

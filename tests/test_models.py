@@ -1,10 +1,8 @@
-"""Model families through ``daca.models``: stand-ins for LLaDA, Dream and native masked LMs.
+"""Other masked LMs through ``daca.models`` (LLaDA and Dream: tests/test_native_families.py).
 
 - a transformers-native masked LM saved to a folder and loaded by path;
-- a remote-code "LLaDA" written here (model_type llada, trust_remote_code) with the known
-  problems of LLaDA's code under transformers 5: a config without ``use_cache``, a
-  gradient-checkpointing hook written for transformers 4, and an ignored attention mask;
-- a fake Dream (4-D boolean mask in, logits shifted right by one);
+- a model that ignores the attention mask: detected on load and run in length buckets;
+- gradient checkpointing, model shapes for the memory estimate;
 - the 4-bit path: its error without a GPU and its BitsAndBytesConfig wiring.
 """
 
@@ -17,14 +15,11 @@ import pytest
 import torch
 from conftest import random_mlm
 from transformers import ModernBertForMaskedLM
-from transformers.modeling_outputs import MaskedLMOutput
 
 from daca.likelihood import mean_field_logp
 from daca.modeling import forward_logits
 from daca.models.families import (
-    LLADA_8B,
     enable_gradient_checkpointing,
-    lora_targets,
     model_shape,
     shape_from_config,
 )
@@ -198,190 +193,6 @@ def test_adapted_model_deep_copies_to_its_own_forward():
     assert not torch.allclose(forward_logits(twin, ids, mask), forward_logits(model, ids, mask))
 
 
-# ----------------------------------------------------------------------------- Dream
-class FakeDream(torch.nn.Module):
-    """Dream's interface on a masked LM: 4-D boolean mask and position ids in, logits shifted
-    right by one out (``logits[:, i]`` predicts token i + 1)."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.base, self.seen = base, {}
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        if attention_mask is not None:
-            assert attention_mask.dtype == torch.bool and attention_mask.dim() == 4
-            self.seen = {"mask": attention_mask, "pos": position_ids}
-            attention_mask = attention_mask[:, 0, 0, :].long()
-        logits = self.base(input_ids, attention_mask=attention_mask).logits
-        return MaskedLMOutput(logits=torch.cat([logits[:, 1:], logits[:, -1:]], dim=1))
-
-
-def test_dream_adapter_unshifts_logits_and_passes_dream_masks():
-    base = context_mlm()
-    dream = FakeDream(base)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        adapt(bundle_of(dream, family="dream"))
-        adapt(bundle_of(dream, family="dream"))
-    assert forward_adapters(dream) == ["dream_forward"]
-    ids, mask = left_padded(ROWS)
-    got = forward_logits(dream, ids, mask)
-    torch.testing.assert_close(got[:, 1:], forward_logits(base, ids, mask)[:, 1:])
-    real = mask.bool()
-    assert torch.equal(dream.seen["mask"], real[:, None, None, :].expand(-1, 1, 5, -1))
-    assert dream.seen["pos"].tolist()[0] == [0, 0, 0, 1, 2]  # real tokens count from 0
-    out = generate(dream, ids, mask, **GEN, dps_stride=2)
-    ref = generate(base, ids, mask, **GEN, dps_stride=2)
-    assert torch.equal(out.completion_ids, ref.completion_ids)
-    torch.testing.assert_close(out.progress_logp, ref.progress_logp)
-
-
-# ----------------------------------------------------------------------------- LLaDA
-FAKE_LLADA = '''
-"""A LLaDA stand-in with the known problems of LLaDA's remote code under transformers 5."""
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
-
-
-class FakeLLaDAConfig(PretrainedConfig):
-    model_type = "llada"
-
-    def __init__(self, d_model=16, n_layers=2, n_heads=2, mlp_hidden_size=32,
-                 vocab_size=126464, weight_tying=False, **kwargs):
-        kwargs.pop("use_cache", None)  # transformers 5 drops it: the config has no use_cache
-        super().__init__(**kwargs)
-        self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
-        self.mlp_hidden_size, self.vocab_size, self.weight_tying = (
-            mlp_hidden_size, vocab_size, weight_tying)
-
-
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        d, f = c.d_model, c.mlp_hidden_size
-        self.q_proj, self.k_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
-        self.v_proj, self.attn_out = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
-        self.ff_proj, self.up_proj = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
-        self.ff_out = nn.Linear(f, d, bias=False)
-
-    def forward(self, x):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        att = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, -1) @ v  # no mask
-        x = x + self.attn_out(att)
-        return x + self.ff_out(nn.functional.silu(self.ff_proj(x)) * self.up_proj(x))
-
-
-class Core(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(c.vocab_size, c.d_model),
-            blocks=nn.ModuleList(Block(c) for _ in range(c.n_layers)),
-            ff_out=nn.Linear(c.d_model, c.vocab_size, bias=False),
-        ))
-        self.strategy = None
-
-    def set_activation_checkpointing(self, strategy):
-        self.strategy = strategy
-
-    def forward(self, input_ids):
-        x = self.transformer.wte(input_ids)
-        for block in self.transformer.blocks:
-            if self.strategy == "whole_layer" and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.transformer.ff_out(x)
-
-
-class FakeLLaDAModelLM(PreTrainedModel):
-    config_class = FakeLLaDAConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = Core(config)
-
-    def _init_weights(self, module):
-        pass  # keep torch's default initialisation (context-sensitive at this size)
-
-    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None):
-        self.model.set_activation_checkpointing("whole_layer" if enable else None)
-
-    def forward(self, input_ids, attention_mask=None, use_cache=None, **kwargs):
-        if use_cache is None:
-            use_cache = self.config.use_cache  # AttributeError without the loader's fix
-        return CausalLMOutputWithPast(logits=self.model(input_ids))
-'''
-
-
-@pytest.fixture(scope="module")
-def fake_llada_dir(tmp_path_factory):
-    from transformers import AutoConfig, AutoModel
-
-    path = tmp_path_factory.mktemp("fake-llada")
-    (path / "modeling_fakellada.py").write_text(FAKE_LLADA)
-    auto_map = {
-        "AutoConfig": "modeling_fakellada.FakeLLaDAConfig",
-        "AutoModel": "modeling_fakellada.FakeLLaDAModelLM",
-    }
-    (path / "config.json").write_text(json.dumps({"model_type": "llada", "auto_map": auto_map}))
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModel.from_config(config, trust_remote_code=True)
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return path
-
-
-def test_llada_loads_with_its_ids_use_cache_and_bucketing(fake_llada_dir):
-    with pytest.warns(UserWarning, match="ignores attention_mask"):
-        bundle = load(str(fake_llada_dir))
-    assert bundle.family == "llada"
-    assert (bundle.mask_id, bundle.eos_ids, bundle.pad_id) == (126336, (126081, 126348), 126081)
-    assert bundle.model.config.use_cache is False
-    assert bundle.ignores_attention_mask
-    ids, mask = left_padded([[5, 6, 7], [8, 9, 10, 11]], pad=bundle.pad_id)
-    got = forward_logits(bundle.model, ids, mask)
-    alone = forward_logits(bundle.model, ids[:1, 1:])
-    torch.testing.assert_close(got[0, 1:], alone[0], atol=1e-5, rtol=1e-5)
-
-
-def test_llada_gradient_checkpointing_and_lora_targets(fake_llada_dir):
-    from peft import LoraConfig, get_peft_model
-
-    with pytest.warns(UserWarning):
-        bundle = load(str(fake_llada_dir))
-    model = bundle.model
-    # transformers 5 passes every_n_layers, which the transformers-4 hook does not take.
-    with pytest.raises(TypeError, match="every_n_layers"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable()
-    enable_gradient_checkpointing(model)
-    assert model.model.strategy == "whole_layer"
-
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(bundle)))
-    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in peft.named_parameters() if ".lora_A" in n}
-    names = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
-    want = {f"base_model.model.model.transformer.blocks.{i}.{n}" for i in range(2) for n in names}
-    assert adapted == want  # every projection of every block, never the output head ff_out
-    peft.train()
-    ids, mask = left_padded([[5, 6, 7], [8, 9, 10, 11]], pad=bundle.pad_id)
-    completion = torch.tensor([[5, 6], [7, 8]])
-    lp = mean_field_logp(peft, ids, completion, mask_id=bundle.mask_id, attention_mask=mask)
-    lp.sum().backward()
-    grads = [p.grad for n, p in peft.named_parameters() if "lora_B" in n]
-    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
-    with peft.disable_adapter():  # the reference policy: the adapter-disabled base
-        ref = mean_field_logp(peft, ids, completion, mask_id=bundle.mask_id, attention_mask=mask)
-    torch.testing.assert_close(ref, lp.detach())  # lora_B starts at zero
-
-
 def test_native_gradient_checkpointing_keeps_gradients():
     ids, mask = left_padded(ROWS)
     completion = torch.tensor([[5, 6]] * len(ROWS))
@@ -403,17 +214,64 @@ def test_shape_of_a_local_llada_copy_is_read_from_its_config(tmp_path):
         "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
         "embedding_size": 126464, "weight_tying": False,
     }  # fmt: skip
-    assert shape_from_config(llada_config) == LLADA_8B
     (tmp_path / "config.json").write_text(json.dumps(llada_config))
-    assert model_shape(str(tmp_path)) == (LLADA_8B, "config.json")
-    assert model_shape("GSAI-ML/LLaDA-8B-Instruct") == (LLADA_8B, "built-in table")
-    # 32 layers of q, k, v, o (4096²) and three 4096 x 12288 MLP matrices, untied 126464-row
-    # embedding and head; a rank-128 adapter on all seven: 128 (4·8192 + 3·16384) per layer.
-    assert LLADA_8B.parameters == 32 * (4 * 4096**2 + 3 * 4096 * 12288) + 2 * 126464 * 4096
-    assert LLADA_8B.parameters == 8_015_314_944
-    assert LLADA_8B.lora_parameters(128) == 32 * 128 * (4 * 8192 + 3 * 16384) == 335_544_320
+    shape, source = model_shape(str(tmp_path))
+    assert source == "config.json"
+    assert model_shape("GSAI-ML/LLaDA-8B-Instruct") == (shape, "built-in config.json")
+    # 32 layers of q, k, v, o (4096²), three 4096 x 12288 MLP matrices and two RMSNorm weights,
+    # the final norm, an untied 126464-row embedding and head; a rank-128 adapter on all seven
+    # projections: 128 (4·8192 + 3·16384) per layer.
+    assert shape.linears == (
+        (4096, 4096), (4096, 4096), (4096, 4096), (4096, 4096),
+        (4096, 12288), (4096, 12288), (12288, 4096),
+    ) * 32  # fmt: skip
+    assert (shape.hidden, shape.layers, shape.vocab, shape.mlp) == (4096, 32, 126464, 12288)
+    linear = 32 * (4 * 4096**2 + 3 * 4096 * 12288)
+    assert shape.linear_parameters == linear
+    assert shape.parameters == linear + 32 * 2 * 4096 + 4096 + 2 * 126464 * 4096
+    assert shape.parameters == 8_015_581_184
+    assert shape.lora_parameters(128) == 32 * 128 * (4 * 8192 + 3 * 16384) == 335_544_320
     with pytest.raises(LookupError, match="unknown model"):
         model_shape("nobody/no-such-model-xyz")
+
+
+def test_dream_7b_shape_from_its_built_in_config():
+    shape, source = model_shape("Dream-org/Dream-v0-Instruct-7B")
+    assert source == "built-in config.json"
+    # Qwen2: q, o 3584²; k, v 3584 x 512 (4 KV heads of 128); q/k/v biases; 28 layers.
+    per_layer = 2 * 3584**2 + 2 * 3584 * 512 + 3 * 3584 * 18944
+    biases_norms = 3584 + 2 * 512 + 2 * 3584
+    assert shape.linear_parameters == 28 * per_layer
+    assert shape.parameters == 28 * (per_layer + biases_norms) + 3584 + 2 * 152064 * 3584
+    assert shape.parameters == 7_615_616_512  # Qwen2.5-7B's published 7.61 B
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shape_read_off_the_meta_module_equals_a_hand_count(tied):
+    d, layers, heads, mlp, vocab = 8, 2, 4, 12, 20
+    llada = {
+        "model_type": "llada", "d_model": d, "n_layers": layers, "n_heads": heads,
+        "n_kv_heads": heads, "mlp_hidden_size": mlp, "embedding_size": vocab,
+        "vocab_size": vocab, "weight_tying": tied,
+    }  # fmt: skip
+    dream = {
+        "model_type": "Dream", "hidden_size": d, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": 2, "intermediate_size": mlp,
+        "vocab_size": vocab, "tie_word_embeddings": tied,
+    }  # fmt: skip
+    head = 1 if tied else 2  # embedding, and the output head unless it is the embedding
+    # LLaDA: q, k, v, o of 8 x 8, gate/up 8 x 12, down 12 x 8, two norms a layer, a final norm.
+    got = shape_from_config(llada)
+    assert got.linears == (((8, 8),) * 4 + ((8, 12), (8, 12), (12, 8))) * layers
+    assert got.parameters == layers * (4 * 64 + 3 * 96 + 2 * d) + d + head * vocab * d
+    assert got.lora_parameters(2) == layers * 2 * (4 * 16 + 3 * 20)
+    assert (got.hidden, got.layers, got.vocab, got.mlp) == (d, layers, vocab, mlp)
+    # Dream: 2 KV heads of size 2, so k and v are 8 x 4 with biases (q too: 8 + 4 + 4).
+    got = shape_from_config(dream)
+    assert got.linears == (((8, 8), (8, 4), (8, 4), (8, 8)) + ((8, 12), (8, 12), (12, 8))) * 2
+    per_layer = 2 * 64 + 2 * 32 + 3 * 96 + (8 + 4 + 4) + 2 * d
+    assert got.parameters == layers * per_layer + d + head * vocab * d
+    assert got.other_parameters == got.parameters - layers * (2 * 64 + 2 * 32 + 3 * 96)
 
 
 # ----------------------------------------------------------------------------- 4-bit

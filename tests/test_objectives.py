@@ -1,4 +1,4 @@
-"""Group advantages and the three base losses (METHOD.md §4) against hand computations."""
+"""Group advantages and the four base losses (METHOD.md §4, §6) against hand computations."""
 
 import math
 
@@ -26,6 +26,27 @@ def test_group_advantages_by_hand():
         obj.group_advantages(rewards, 4)
     with pytest.raises(ValueError, match="scale"):
         obj.group_advantages(rewards, 3, scale="batch")
+
+
+def test_leave_one_out_advantages_by_hand():
+    # DiffuCoder's baseline: the mean of the OTHER rewards of the group.
+    # group [1, 0, 2]: others' means [1, 1.5, .5] -> [0, -1.5, 1.5]; group [3, 3, 3] -> 0
+    rewards = torch.tensor([1.0, 0.0, 2.0, 3.0, 3.0, 3.0])
+    got = obj.group_advantages(rewards, 3, baseline="leave_one_out")
+    assert got.tolist() == [0.0, -1.5, 1.5, 0.0, 0.0, 0.0]
+    # = G/(G-1) times the mean-baseline advantage; scale="group" divides by the same std (1)
+    torch.testing.assert_close(got, 1.5 * obj.group_advantages(rewards, 3))
+    scaled = obj.group_advantages(rewards, 3, scale="group", baseline="leave_one_out")
+    d = 1.5 / (1 + 1e-4)
+    torch.testing.assert_close(scaled, torch.tensor([0.0, -d, d, 0.0, 0.0, 0.0]))
+    assert torch.equal(  # the default is the plain mean, unchanged
+        obj.group_advantages(rewards, 3, scale="group"),
+        obj.group_advantages(rewards, 3, scale="group", baseline="mean"),
+    )
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        obj.group_advantages(rewards, 1, baseline="leave_one_out")
+    with pytest.raises(ValueError, match="baseline"):
+        obj.group_advantages(rewards, 3, baseline="median")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +217,40 @@ def test_gdpo_with_multipliers_matches_a_plain_loop():
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
+# ---------------------------------------------------------------------------------------------
+# coupled-GRPO: DiffuCoder's GRPO loss on the coupled estimate, token-level ratio, eps = .5,
+#   beta = .01 by default. Same batch as Diffu-GRPO above: the surrogate is 0.25 / 11; with
+#   ref - logp = -ln 2 on every token the k3 KL is e^{-ln 2} + ln 2 - 1 = ln 2 - 1/2.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_coupled_grpo_by_hand():
+    loss, m = obj.coupled_grpo_loss(LOGP, OLD_LOGP, ADV, MASK, ref_logp=LOGP - LN2)
+    assert loss.item() == pytest.approx(0.25 / 11 + 0.01 * (LN2 - 0.5), abs=1e-6)
+    assert m["kl"] == pytest.approx(LN2 - 0.5, rel=1e-5)
+    assert m["clip_fraction"] == pytest.approx(2 / 11)
+    assert m["ratio_mean"] == pytest.approx(11.5 / 11, rel=1e-6)
+    # the published defaults: eps = .5 and beta = .01 (so a reference is required)
+    with pytest.raises(ValueError, match="ref_logp"):
+        obj.coupled_grpo_loss(LOGP, OLD_LOGP, ADV, MASK)
+    loss0, _ = obj.coupled_grpo_loss(LOGP, OLD_LOGP, ADV, MASK, beta=0.0)
+    assert loss0.item() == pytest.approx(0.25 / 11, abs=1e-6)
+    # eps = .2: row 0's rho 2 clips at 1.2 (A > 0), row 1's rho .25 at .8 (A < 0), row 2's 1.2
+    # stays in band: -[1, 1.2, .25] + [1, 2, .8] - [.6, .4, .5] + [.5, .5] = .85 over 11 tokens
+    loss2, _ = obj.coupled_grpo_loss(LOGP, OLD_LOGP, ADV, MASK, beta=0.0, epsilon=0.2)
+    assert loss2.item() == pytest.approx(0.85 / 11, abs=1e-6)
+
+
+def test_coupled_grpo_first_iteration_ratio_one_and_kl_zero():
+    """Old = current = reference: rho = 1, KL = 0, loss = -(token mean of A), gradient -A/N."""
+    logp = LOGP.clone().requires_grad_(True)
+    loss, m = obj.coupled_grpo_loss(logp, LOGP, ADV, MASK, ref_logp=LOGP)
+    assert m["ratio_mean"] == 1.0 and m["kl"] == 0.0 and m["clip_fraction"] == 0.0
+    assert loss.item() == pytest.approx(-0.5 / 11, abs=1e-7)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -(ADV[:, None] * MASK) / 11)
+
+
 def test_sml_enriched():
     got = obj.sml_enriched(torch.tensor([[-1.0, -4.0]]), torch.tensor([[-3.0, 0.0]]))
     assert got.tolist() == [[-2.0, -2.0]]
@@ -212,6 +267,9 @@ def _all_losses(multipliers, **wd1_kw):
             WD1_LOGP, WD1_ADV, WD1_MASK, num_generations=2, token_multipliers=multipliers, **wd1_kw
         ),
         obj.gdpo_loss(TERMS, OLD_TERMS, ADV, GDPO_MASK, token_multipliers=multipliers),
+        obj.coupled_grpo_loss(
+            LOGP, OLD_LOGP, ADV, MASK, ref_logp=LOGP - 0.2, token_multipliers=multipliers
+        ),
     ]
 
 
@@ -248,6 +306,9 @@ def test_gradients_flow_to_model_parameters():
         "diffu_grpo": lambda lp: obj.diffu_grpo_loss(lp, old, adv, token_multipliers=mult)[0],
         "wd1": lambda lp: obj.wd1_loss(lp, adv, num_generations=2, token_multipliers=mult)[0],
         "gdpo": lambda lp: obj.gdpo_loss(lp, old, adv, token_multipliers=mult)[0],
+        "coupled_grpo": lambda lp: obj.coupled_grpo_loss(
+            lp, old, adv, ref_logp=old, token_multipliers=mult
+        )[0],
     }
     for name, loss_fn in losses.items():
         model.zero_grad(set_to_none=True)

@@ -82,10 +82,13 @@ def test_paper_recipe_settings_and_documented_overrides(path):
 
 def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
     est = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml"))
-    assert est.source == "built-in table" and est.parameters == 8_015_314_944
+    # The LLaDA module built on the meta device: projections, embedding + head, RMSNorm weights.
     linear, embeddings = 32 * (4 * 4096**2 + 3 * 4096 * 12288), 2 * 126464 * 4096
+    norms = 32 * 2 * 4096 + 4096
+    assert est.source == "built-in config.json"
+    assert est.parameters == linear + embeddings + norms == 8_015_581_184
     assert est.resident["weights (4-bit NF4, embeddings bf16)"] == pytest.approx(
-        linear * NF4_BYTES + embeddings * 2
+        linear * NF4_BYTES + (embeddings + norms) * 2
     )
     assert est.trainable == 335_544_320
     assert est.resident["LoRA r=128 + gradients + AdamW (fp32)"] == 335_544_320 * 16
@@ -94,8 +97,8 @@ def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
     assert dps_trace_rows(256, 128, 32, 4, "all") == 2145.125
     trace = est.rollout["DPS trace (peak, scope all, s=4)"]
     assert trace == 6 * 2145.125 * (126464 * 2 + 4)
-    # block scope: k = 16 steps per block, 32 (16 + 3)^2 / (4 * 4 * 16) = 45.125 rows
-    assert dps_trace_rows(256, 128, 32, 4, "block") == 45.125
+    # block scope: k = 16 steps per block, 32 (16 + 2 * 4 - 1)^2 / (4 * 4 * 16) = 66.125 rows
+    assert dps_trace_rows(256, 128, 32, 4, "block") == 66.125
     full = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml", ["sml.enabled=true"]))
     assert "SML views (K=4: activations + rows)" in full.update
     assert full.peak > est.peak

@@ -341,8 +341,9 @@ def test_malformed_data_is_reported_by_the_cli(
 
 
 def test_prompts_longer_than_the_model_reads(tiny_model_dir, tmp_path):
-    """34-token prompts for a model with a 20-token prompt width: an error naming the prompt,
-    or, with truncate_prompts, their last 20 tokens, counted in the metrics."""
+    """33-token prompts for a model that reads 20 prompt tokens (36 positions less the 16 of
+    the completion): an error naming the prompt, or, with truncate_prompts, their last 20
+    tokens, counted in the metrics."""
     with pytest.raises(InputError, match=r"task long's train split: prompt 0 '\d{32}=' has 33"):
         Trainer(_cfg(tiny_model_dir, tmp_path, "long", "task=long"), progress=False)
     trainer = Trainer(
@@ -355,12 +356,14 @@ def test_prompts_longer_than_the_model_reads(tiny_model_dir, tmp_path):
     ids, cut = fit_prompts([[1, 2, 3, 4, 5], [6, 7]], 3, truncate=True)
     assert (ids, cut) == ([[3, 4, 5], [6, 7]], 1)
     bundle = load(str(tiny_model_dir))
+    assert prompt_limit(bundle, 16) == 20 and prompt_limit(bundle, 30) == 6
+    padded, mask = pad_prompts(bundle, ids)  # left padded to the longest prompt
+    assert padded.shape == (2, 3) and mask.sum(1).tolist() == [3, 2]
+    assert padded[0].tolist() == [3, 4, 5] and padded[1, -2:].tolist() == [6, 7]
+    bundle.prompt_width = 20  # a model with absolute positions: one fixed width
     assert prompt_limit(bundle, 16) == 20
     padded, mask = pad_prompts(bundle, ids)
     assert padded.shape == (2, 20) and mask.sum(1).tolist() == [3, 2]
-    assert padded[0, -3:].tolist() == [3, 4, 5] and padded[1, -2:].tolist() == [6, 7]
-    bundle.prompt_width = None  # a model without a fixed width: its positions less the completion
-    assert prompt_limit(bundle, 16) == bundle.model.config.max_position_embeddings - 16
     with pytest.raises(ValueError, match=r"prompt 1 'abc' has 2 tokens, more than the 1"):
         fit_prompts([[1], [1, 2]], 1, truncate=False, texts=["a", "abc"])
 
@@ -370,8 +373,9 @@ def test_empty_completions_train_without_nan(tiny_model_dir, tmp_path):
     trainer = Trainer(_cfg(tiny_model_dir, tmp_path, "empty", "task=seen"), progress=False)
     model = trainer.acc.unwrap_model(trainer.model)
     eos = trainer.bundle.eos_ids[0]
-    with torch.no_grad():
-        model.cls.predictions.bias[eos] = 1e4
+    eos_bias = torch.zeros(model.config.vocab_size)
+    eos_bias[eos] = 1e4
+    model.lm_head.register_forward_hook(lambda module, args, out: out + eos_bias)
     SEEN.clear()
     trainer.train()
     assert SEEN and set(SEEN) == {""}
@@ -465,7 +469,9 @@ def test_a_hanging_reward_function_is_bounded_by_its_timeout(tiny_model_dir, tmp
         with pytest.raises(
             RewardError, match=r"_hangs did not return within 0.3 s .*reward_timeout"
         ):
-            score_rewards([_hangs], [1.0], ["p"] * 2, ["a", "b"], {}, timeout=0.3)
+            score_rewards(
+                [_hangs], [1.0], ["p"] * 2, ["a", "b"], {}, on_timeout="raise", timeout=0.3
+            )
         per, total, errors = score_rewards(
             [ones, _hangs], [1.0, 1.0], ["p"] * 2, ["11", "b"], {}, on_error="zero", timeout=0.3
         )

@@ -262,8 +262,8 @@ def test_trace_matches_per_step_log_softmax(
     block_of = torch.arange(gen_length) // block_length
     for j, r in enumerate(range(0, steps, stride)):
         masked = model.inputs[r][:B, P:] == MASK
-        if scope == "block":
-            masked &= block_of == r // k
+        if scope == "block":  # the block of r_j and that of the next recorded state
+            masked &= (block_of == r // k) | (block_of == min(r + stride, steps - 1) // k)
         assert torch.equal(out.progress_mask[:, j], masked)
         logp = F.log_softmax(guided(model, r, cfg_scale, B)[:, P:].float(), -1)
         expected = logp.gather(-1, x_star[..., None]).squeeze(-1)

@@ -2,6 +2,7 @@
 
 import os
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -18,8 +19,16 @@ ISOLATIONS = [pytest.param("bwrap", id="bwrap"), pytest.param("fallback", id="fa
 FAST = {"timeout": 2.0, "memory_mb": 256, "max_procs": 16, "max_file_mb": 1, "scratch_mb": 4}
 
 
+def _default_isolation():
+    """The isolation plain calls use here; skip where there is none (and no opt-in)."""
+    try:
+        return isolation_available()
+    except sandbox.SandboxUnavailable:
+        pytest.skip("bubblewrap is not installed or does not work here (user namespaces?)")
+
+
 def _skip_unusable(isolation):
-    if isolation == "bwrap" and isolation_available() != "bwrap":
+    if isolation == "bwrap" and _default_isolation() != "bwrap":
         pytest.skip("bubblewrap is not installed or does not work here (user namespaces?)")
     if isolation == "fallback" and not ROOT:
         pytest.skip("the fallback only isolates files and signals when run as root")
@@ -242,7 +251,7 @@ def test_fallback_kills_daemons_that_leave_the_process_group(guard):
 
 
 def test_run_many_keeps_order_and_bounds_workers():
-    _skip_unusable(isolation_available())
+    _skip_unusable(_default_isolation())
     codes = [f"x = {i}" for i in range(6)]
     checks = [[f"assert x == {i}", "assert x % 2 == 0"] for i in range(6)]
     results = run_many(codes, checks, workers=2, **FAST)
@@ -265,7 +274,7 @@ def test_bad_arguments_raise():
 
 
 def test_sandbox_does_not_see_our_environment(monkeypatch):
-    _skip_unusable(isolation_available())
+    _skip_unusable(_default_isolation())
     monkeypatch.setenv("DACA_SECRET_TOKEN", "hunter2")
     code = "import os, sys\nassert 'DACA_SECRET_TOKEN' not in os.environ\n"
     assert run_python(code, **FAST).passed
@@ -288,3 +297,124 @@ def test_run_many_runs_identical_programs_once(monkeypatch):
 def test_task_count_of_our_uid_includes_our_threads():
     assert sandbox._tasks_of_uid(os.getuid()) >= threading.active_count()
     assert sandbox._tasks_of_uid(4_000_000) == 0
+
+
+# ---------------------------------------------------------------- fail closed
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    """Forget this process's probe results and any opt-in, for the test only."""
+    monkeypatch.setattr(sandbox, "_probed", {})
+    monkeypatch.setattr(sandbox, "_probe_failures", {})
+    monkeypatch.setattr(sandbox, "_fallback_warned", False)
+    monkeypatch.setenv(sandbox.UNSAFE_ENV, "0")  # restored (to unset) after the test
+
+
+def _without_bwrap(monkeypatch, tmp_path, fake_bwrap: str | None = None):
+    """A PATH with bwrap only as ``fake_bwrap`` (a shell script), if given."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if fake_bwrap is not None:
+        (bin_dir / "bwrap").write_text(f"#!/bin/sh\n{fake_bwrap}\n")
+        (bin_dir / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+
+
+def _count_executions(monkeypatch):
+    calls = []
+    real = sandbox._execute
+    monkeypatch.setattr(sandbox, "_execute", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+def test_without_bwrap_scoring_code_stops_before_any_execution(fresh_probe, monkeypatch, tmp_path):
+    from daca.tasks import get_task
+
+    _without_bwrap(monkeypatch, tmp_path)
+    executions = _count_executions(monkeypatch)
+    mbpp = get_task("mbpp")
+    with pytest.raises(sandbox.SandboxUnavailable) as refused:
+        mbpp.score(
+            ["def add(a, b):\n    return a + b\n"],
+            test_list=[["assert add(1, 2) == 3"]],
+            test_imports=[[]],
+        )
+    assert executions == []  # refused before the first run, not after a probe of model code
+    message = str(refused.value)
+    assert "bwrap is not installed" in message
+    assert "apt-get install bubblewrap" in message
+    assert "sandbox: unsafe" in message and "DACA_UNSAFE_EXEC=1" in message
+    with pytest.raises(sandbox.SandboxUnavailable):
+        run_python("x = 1")
+
+
+def test_a_bwrap_that_cannot_run_is_refused_too(fresh_probe, monkeypatch, tmp_path):
+    # Present on PATH but failing (as where user namespaces are disabled): the probe run fails.
+    _without_bwrap(monkeypatch, tmp_path, fake_bwrap="echo 'bwrap: No permissions' >&2; exit 1")
+    with pytest.raises(sandbox.SandboxUnavailable, match="a probe run failed"):
+        isolation_available()
+
+
+@pytest.mark.skipif(not ROOT, reason="the unsafe path runs as a spare uid only as root")
+def test_unsafe_execution_runs_only_when_asked_for(fresh_probe, monkeypatch, tmp_path):
+    _without_bwrap(monkeypatch, tmp_path)
+    with pytest.raises(sandbox.SandboxUnavailable):
+        isolation_available()
+    sandbox.allow_unsafe_execution()  # what `sandbox: unsafe` in the config does
+    assert os.environ[sandbox.UNSAFE_ENV] == "1"  # inherited by reward worker processes
+    with pytest.warns(RuntimeWarning, match="MUCH weaker"):
+        assert isolation_available() == "fallback"
+    result = run_python("x = 1", ["assert x == 1"], **FAST)
+    assert result.passed
+
+
+def test_config_names_the_sandbox_setting():
+    from daca.config import ConfigError, load_config
+
+    assert load_config().sandbox == "bwrap"
+    assert load_config(overrides=["sandbox=unsafe"]).sandbox == "unsafe"
+    with pytest.raises(ConfigError, match="sandbox"):
+        load_config(overrides=["sandbox=none"])
+
+
+def test_run_folders_of_killed_processes_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"daca-sandbox-{dead.pid}-abc123"
+    live = tmp_path / f"daca-sandbox-{os.getpid()}-def456"
+    for folder in (stale, live):
+        (folder / "work").mkdir(parents=True)
+    other = tmp_path / "daca-sandboxed-notes"
+    other.mkdir()
+    assert sandbox.remove_stale_run_dirs() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+# ---------------------------------------------------------------- values of Calls
+def test_calls_return_plain_data_and_nothing_else():
+    _skip_unusable(_default_isolation())
+    code = (
+        "import collections\nclass Anything:\n    def __eq__(self, other):\n        return True\n"
+        "class Liar(int):\n    def __eq__(self, other):\n        return True\n"
+    )
+    plain = "[1, -2.5, -0.0, float('inf'), 1+2j, 'a\\nb', b'\\x00', (), (1,), {1: {2}}, None]"
+    calls = [plain, "Anything()", "Liar(5)", "collections.Counter('aab')", "1 / 0", "iter([])"]
+    result = run_python(code, [sandbox.Call(c) for c in calls], **FAST)
+    expected = [1, -2.5, -0.0, float("inf"), 1 + 2j, "a\nb", b"\x00", (), (1,), {1: {2}}, None]
+    # Subclasses of plain types cross as their base value: Liar's __eq__ stays behind.
+    assert result.values == {0: expected, 2: 5, 3: {"a": 2, "b": 1}}
+    assert type(result.values[2]) is int and result.passed_indices == {0, 2, 3}
+    assert "not plain data" in result.stderr_tail and "ZeroDivisionError" in result.stderr_tail
+
+
+def test_decode_value_rebuilds_without_evaluating():
+    assert sandbox.decode_value("[(1, -2.0), {'a': set([1])}, frozenset([]), float('nan')]")[
+        :3
+    ] == [
+        (1, -2.0),
+        {"a": {1}},
+        frozenset(),
+    ]
+    for text in ("__import__('os')", "float('1e3')", "open('x')", "x", "[1, *y]", "1 + 2"):
+        with pytest.raises(ValueError):
+            sandbox.decode_value(text)

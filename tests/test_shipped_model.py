@@ -1,9 +1,11 @@
-"""The tiny models shipped in the package load and solve held-out problems at the accuracy
-recorded beside them (daca.json, produced by `daca pretrain`), within evaluation tolerance."""
+"""The tiny models shipped in the package are miniature LLaDAs in LLaDA's hub layout, load
+through LLaDA's path, and solve held-out problems at the accuracy recorded beside them
+(daca.json, produced by `daca pretrain`), within evaluation tolerance."""
 
 import json
 
 import pytest
+from safetensors import safe_open
 
 from daca.config import GenerationConfig, load_config
 from daca.evaluation import evaluate
@@ -18,7 +20,13 @@ def test_shipped_checkpoint_is_small_and_documented(name):
     size = sum(f.stat().st_size for f in SHIPPED[name].rglob("*") if f.is_file())
     assert size <= 10 * 1024 * 1024
     meta = META[name]
-    assert meta["family"] == "tiny" and meta["parameters"] > 100_000
+    assert (meta["family"], meta["prompt_format"]) == ("llada", "compact")
+    assert 100_000 < meta["parameters"] <= 2_000_000
+    config = json.loads((SHIPPED[name] / "config.json").read_text())
+    assert (config["model_type"], config["block_type"], config["rope"]) == ("llada", "llama", True)
+    keys = set(safe_open(str(SHIPPED[name] / "model.safetensors"), "pt").keys())
+    assert "model.transformer.blocks.0.attn_out.weight" in keys  # LLaDA's own key names
+    assert "model.transformer.ff_out.weight" in keys
     # Above chance, below perfect on the task it is shipped for: room for RL.
     task = meta["pretrain"]["task"]
     assert 0.05 <= meta["held_out"][task] <= 0.70
@@ -31,7 +39,8 @@ def test_shipped_checkpoint_reproduces_its_accuracy(name, task_name):
     meta = META[name]
     bundle = load(name)
     model, tokenizer, mask_id = bundle
-    assert mask_id == tokenizer.mask_token_id
+    assert mask_id == tokenizer.mask_token_id and bundle.family == "llada"
+    assert type(model).__name__ == "LLaDAForDiffusionLM"  # transformers' Llama, no remote code
     task = get_task(task_name)
     rows = task.load(split="test", limit=meta["eval_size"], seed=meta["pretrain"]["seed"])
     gen = GenerationConfig(**{**meta["generation"], "temperature": 0.0})

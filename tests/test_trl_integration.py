@@ -19,14 +19,11 @@ from daca.integrations.trl import (  # noqa: E402
 from daca.likelihood import mean_field_logp, strata_assignment, stratified_logp  # noqa: E402
 from daca.models.loading import (  # noqa: E402
     LoadedModel,
-    bucketed_forward,
-    forward_adapters,
-    install_forward_adapter,
     load,
 )
 from daca.tasks.sudoku import generate_puzzles  # noqa: E402
 
-G, PROMPTS, WIDTH, L = 3, 2, 20, 16  # the conftest tiny model: prompt width 20, 36 positions
+G, PROMPTS, L = 3, 2, 16  # the conftest tiny model reads 36 positions
 
 
 def ones_reward(prompts, completions, **kwargs):
@@ -70,13 +67,6 @@ def make_trainer(model_dir, tmp_path, **overrides):
     return trainer, batch_rows
 
 
-def fixed_width(prompt_ids, prompt_mask, pad_id):
-    """The test's own left padding to the model's prompt width."""
-    extra = WIDTH - prompt_ids.shape[1]
-    pad = torch.full((prompt_ids.shape[0], extra), pad_id, dtype=prompt_ids.dtype)
-    return torch.cat([pad, prompt_ids], 1), torch.cat([torch.zeros_like(pad), prompt_mask], 1)
-
-
 def group_advantages(trainer):
     """r - mean_group(r) of the last rollout, recomputed from its decoded completions."""
     tok = trainer.processing_class
@@ -90,7 +80,7 @@ def group_advantages(trainer):
 
 def mf_logp(model, batch, hide, mask_id, pad_id):
     """The core's mean-field estimate on the batch with the given prompt masks."""
-    p_ids, p_mask = fixed_width(batch["prompt_ids"], batch["prompt_mask"], pad_id)
+    p_ids, p_mask = batch["prompt_ids"], batch["prompt_mask"]  # left padded by TRL
     return mean_field_logp(
         model,
         p_ids.masked_fill(hide, mask_id),
@@ -219,7 +209,10 @@ def test_training_runs_both_inner_iterations(tiny_model_dir, tmp_path, monkeypat
         not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)
     )
     trainer.save_model(str(tmp_path / "saved"))
-    assert load(str(tmp_path / "saved")).prompt_width == WIDTH  # daca.json written beside it
+    saved = load(str(tmp_path / "saved"))  # daca.json written beside it: compact prompts
+    assert (saved.family, saved.prompt_format) == ("llada", "compact")
+    ids = torch.randint(2, 20, (2, 9))
+    torch.testing.assert_close(saved.model(ids).logits, trainer.model(ids).logits)
 
 
 def test_sml_from_strata_matches_the_core(tiny_random_model):
@@ -289,9 +282,13 @@ def test_config_rejects_bad_values(tmp_path, bad, match):
         DACAGRPOConfig(**kw, **bad)
 
 
-def test_reference_model_gets_the_policy_forward_adapters(tiny_model_dir, tmp_path):
-    bundle = load(str(tiny_model_dir))
-    install_forward_adapter(bundle.model, bucketed_forward)  # as load() does for some models
-    trainer, _ = make_trainer(bundle, tmp_path, beta=0.04)
-    assert forward_adapters(trainer.ref_model) == ["bucketed_forward"]
-    assert trainer.ref_model is not bundle.model
+def test_reference_model_is_loaded_through_daca(tiny_model_dir, tmp_path):
+    """beta > 0 without PEFT: TRL loads the reference from the policy's folder, through
+    daca.models.load (transformers' Auto classes do not know LLaDA's config)."""
+    trainer, _ = make_trainer(str(tiny_model_dir), tmp_path, beta=0.04)
+    ref, policy = trainer.ref_model, trainer.model
+    assert type(ref) is type(policy) and ref is not policy
+    for (name, a), (_, b) in zip(
+        ref.state_dict().items(), policy.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

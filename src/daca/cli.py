@@ -30,6 +30,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run",
         "the ablation grid: methods x variants x seeds, as tables and plots",
     ),
+    "export": (
+        "daca.export",
+        "add_arguments",
+        "run",
+        "write a standalone model from a run's checkpoint (optionally LoRA merged)",
+    ),
     "inspect": (
         "daca.inspect_run",
         "add_arguments",

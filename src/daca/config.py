@@ -33,6 +33,12 @@ class GenerationConfig:
     temperature: float = _f(0.9, "Gumbel temperature for training rollouts (evaluation uses 0)")
     cfg_scale: float = _f(0.0, "classifier-free guidance scale (0 = off)")
     remasking: Literal["low_confidence", "random"] = _f("low_confidence", "commit order")
+    cache: Literal["none", "prefix", "dual"] = _f(
+        "none", "block KV cache of the rollouts, refreshed at every recorded DPS step (rollouts.md)"
+    )
+    parallel_threshold: float | None = _f(
+        None, "commit every masked block position more confident than this (docs/rollouts.md)"
+    )
 
 
 @dataclass
@@ -129,7 +135,18 @@ class TrainConfig:
     tensorboard: bool = _f(True, "write TensorBoard logs")
     wandb: bool = _f(False, "log to Weights & Biases")
     on_reward_error: Literal["raise", "zero"] = _f(
-        "raise", "a reward function that raises or times out: stop the run, or score it 0"
+        "raise",
+        "a reward function that raises (a bug; a completion that breaks a parser always scores 0)"
+        ": stop the run, or score the example 0",
+    )
+    on_reward_timeout: Literal["zero", "raise"] = _f(
+        "zero", "an example a reward function is stopped on (reward_timeout): score 0, or stop"
+    )
+    sandbox: Literal["bwrap", "unsafe"] = _f(
+        "bwrap",
+        "model-written code (MBPP, HumanEval) runs only inside bubblewrap ('bwrap'; refused "
+        "without it), or also in a plain subprocess where bubblewrap fails ('unsafe': the code "
+        "can then touch your files; same as DACA_UNSAFE_EXEC=1)",
     )
     reward_timeout: float | None = _f(
         600.0, "seconds a reward function may take on one batch (null: no limit)"
@@ -325,6 +342,21 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         f"{blocks} (gen_length / block_length)",
     )
     need(g.temperature >= 0, f"generation.temperature must be >= 0, got {g.temperature}")
+    tau = g.parallel_threshold
+    need(
+        tau is None or 0 <= tau <= 1,
+        f"generation.parallel_threshold must lie in [0, 1] (or null), got {tau}",
+    )
+    need(
+        tau is None or g.remasking == "low_confidence",
+        "generation.parallel_threshold compares probabilities: set "
+        "generation.remasking=low_confidence",
+    )
+    need(
+        tau is None or not cfg.dps.enabled or cfg.dps.scope == "all",
+        "generation.parallel_threshold needs dps.scope=all (with parallel decoding the block "
+        "of the next recorded step is unknown when a step is recorded)",
+    )
     need(cfg.num_generations >= 2, f"num_generations={cfg.num_generations}: a group needs >= 2")
     need(
         cfg.per_device_train_batch_size > 0
@@ -341,7 +373,11 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(cfg.max_grad_norm > 0, f"max_grad_norm must be positive, got {cfg.max_grad_norm}")
     need(cfg.dps.stride >= 1, f"dps.stride must be >= 1, got {cfg.dps.stride}")
-    need(cfg.dps.stride <= g.steps, f"dps.stride={cfg.dps.stride} exceeds generation.steps")
+    need(
+        not cfg.dps.enabled or cfg.dps.stride < g.steps,
+        f"dps.stride={cfg.dps.stride} >= generation.steps={g.steps} records a single step (no "
+        "interval, so δ would be 0): use a stride below the number of steps",
+    )
     need(cfg.sml.num_strata >= 1, f"sml.num_strata must be >= 1, got {cfg.sml.num_strata}")
     need(
         cfg.sml.num_strata <= g.gen_length,

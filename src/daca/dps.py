@@ -15,6 +15,8 @@ Three pure functions turn it into multipliers (1 + lam * norm_delta_{J(n)}):
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -36,14 +38,16 @@ def progress_deltas(
     last_logp: Tensor | None = None,
     last_mask: Tensor | None = None,
     recorded_steps: Tensor | None = None,
-    num_steps: int | None = None,
+    num_steps: int | Tensor | None = None,
 ) -> Tensor:
     """Progress of every recorded interval, delta [B, R] float32 (METHOD.md §2, "Progress").
 
     For j < m: delta_j = S(j+1, j+1) - S(j, j+1), computed as the mean over the positions recorded
     at both j and j+1 of (l[j+1, n] - l[j, n]). Under scope "all" that set is M_{r_{j+1}} (M only
     shrinks), which is the paper's definition; under scope "block" it is the set on which both
-    snapshots have evidence. An empty set gives delta_j = 0 (no evidence), never NaN.
+    snapshots have evidence (the sampler records, at r_j, the block of r_{j+1} too, so the set
+    is not empty when the interval crosses blocks). An empty set gives delta_j = 0 (no
+    evidence), never NaN.
 
     The last interval j = m has no later recorded state; ``last_step`` chooses delta_m:
     ``extrapolate`` delta_{m-1} (0 when R = 1); ``neutral`` 0; ``raw`` S(m, m), the mean of l[m]
@@ -51,6 +55,13 @@ def progress_deltas(
     R = 1); ``measured`` the exact difference against x_{T-1}: mean over last_mask &
     progress_mask[:, m] of (last_logp - l[m]), needing ``last_logp``, ``last_mask``,
     ``recorded_steps`` and ``num_steps`` (T); it falls back to ``extrapolate`` when r_m = T-1.
+
+    Rows of different lengths (parallel decoding, docs/rollouts.md): row b took T_b steps
+    (``num_steps`` [B], ``Rollout.steps_taken``) and reached the recorded steps r_j < T_b, so its
+    last interval is m_b = ceil(T_b / s) - 1; at a (b, j) it never reached ``progress_mask`` is
+    empty and ``progress_logp`` NaN everywhere (the marker read when ``num_steps`` is an int).
+    Each row gets the rule above at its own m_b, and delta is NaN for j > m_b: that row has no
+    such interval (it is not a delta of 0), and ``normalize`` leaves it out.
     """
     if progress_logp.dim() != 3 or progress_mask.shape != progress_logp.shape:
         raise ValueError(
@@ -63,12 +74,32 @@ def progress_deltas(
         raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {last_step!r}")
     mask = progress_mask.bool()
     logp = progress_logp.float()
-    batch = logp.shape[0]
+    batch, R = logp.shape[:2]
+    if isinstance(num_steps, Tensor) and recorded_steps is not None:
+        steps = recorded_steps.to(logp.device)
+        reached = steps[None, :] < num_steps.to(logp.device)[:, None]  # [B, R]
+    else:  # the sampler's marker of a step never reached: nothing masked, every l[j, n] NaN
+        reached = mask.any(-1) | ~logp.isnan().all(-1)
+    if not bool(reached[:, 0].all()):
+        raise ValueError("every row must reach the first recorded step")
+    if not bool((reached[:, 1:] <= reached[:, :-1]).all()):
+        raise ValueError("a row reaches a recorded step after missing an earlier one")
+    ragged = not bool(reached.all())
+    if ragged:
+        logp = torch.where(reached[..., None], logp, 0.0)
+        mask = mask & reached[..., None]
+    rows = torch.arange(batch, device=logp.device)
+    last_j = reached.sum(1) - 1  # m_b
 
     both = mask[:, :-1] & mask[:, 1:]  # [B, R-1, L]
     inner = _masked_mean(logp[:, 1:] - logp[:, :-1], both)  # [B, R-1]
     zeros = logp.new_zeros(batch)
-    extrapolated = inner[:, -1] if inner.shape[1] > 0 else zeros
+    if R == 1:
+        extrapolated = zeros
+    elif ragged:
+        extrapolated = torch.where(last_j > 0, inner[rows, (last_j - 1).clamp_min(0)], 0.0)
+    else:
+        extrapolated = inner[:, -1]
 
     if last_step == "measured":
         if last_logp is None or last_mask is None or recorded_steps is None or num_steps is None:
@@ -80,33 +111,51 @@ def progress_deltas(
                 f"last_logp {tuple(last_logp.shape)} and last_mask {tuple(last_mask.shape)} "
                 f"must both be [B, L] = {tuple(logp[:, -1].shape)}"
             )
-        last_recorded = int(recorded_steps[-1])
-        if last_recorded > num_steps - 1:
+        last_recorded = recorded_steps.to(logp.device)[last_j]  # r_{m_b}
+        final = torch.as_tensor(num_steps, device=logp.device) - 1  # T_b - 1
+        if bool((last_recorded > final).any()):
             raise ValueError(
-                f"recorded step {last_recorded} is beyond the last step {num_steps - 1}"
+                f"recorded step {int(last_recorded.max())} is beyond the last step "
+                f"{int(torch.as_tensor(final).min())}"
             )
-        if last_recorded == num_steps - 1:
-            last = extrapolated  # x_{T-1} is the last recorded state itself: no later evidence
-        else:
-            last = _masked_mean(last_logp.float() - logp[:, -1], last_mask.bool() & mask[:, -1])
+        own = logp[rows, last_j]
+        measured = _masked_mean(last_logp.float() - own, last_mask.bool() & mask[rows, last_j])
+        # x_{T-1} is the last recorded state itself: no later evidence
+        last = torch.where(last_recorded == final, extrapolated, measured)
     elif last_step == "extrapolate":
         last = extrapolated
     elif last_step == "neutral":
         last = zeros
     elif last_step == "raw":
-        last = _masked_mean(logp[:, -1], mask[:, -1])
-    else:  # mean
-        last = inner.mean(1) if inner.shape[1] > 0 else zeros
-    return torch.cat([inner, last[:, None]], dim=1)
+        last = _masked_mean(logp[rows, last_j], mask[rows, last_j])
+    elif R == 1:  # mean of no interval
+        last = zeros
+    elif ragged:
+        before = torch.arange(R - 1, device=logp.device)[None, :] < last_j[:, None]
+        last = _masked_mean(inner, before)
+    else:
+        last = inner.mean(1)
+    if not ragged:
+        return torch.cat([inner, last[:, None]], dim=1)
+    deltas = torch.cat([inner, inner.new_full((batch, 1), math.nan)], dim=1)
+    deltas = torch.where(reached, deltas, math.nan)
+    deltas[rows, last_j] = last
+    return deltas
 
 
-def normalize(deltas: Tensor, axis: str = "per_step", eps: float = 1e-6) -> Tensor:
+def normalize(
+    deltas: Tensor, axis: str = "per_step", eps: float = 1e-6, valid: Tensor | None = None
+) -> Tensor:
     """Standardised deltas (d - mu) / (sigma + eps), [B, R] (METHOD.md §2, "Normalisation").
 
     ``per_step``: mu, sigma per interval j over the batch's trajectories (dim 0);
     ``trajectory``: per trajectory over its intervals (dim 1); ``group``: one mu, sigma over all
     deltas; ``none``: unchanged. sigma is the population standard deviation (divides by the count).
     A set of equal deltas (sigma = 0) normalises to exactly 0, never NaN.
+
+    Only ``valid`` entries (default: the non-NaN ones) enter the statistics, and the others stay
+    NaN: a row that finished before interval j (parallel decoding, ``progress_deltas``) is left
+    out of interval j's mean and spread, not counted as a delta of 0.
 
     With several processes, gather the global [B, R] deltas, call this, and keep the local rows:
     the statistics are those of the global batch (METHOD.md §2 [decision]).
@@ -115,15 +164,27 @@ def normalize(deltas: Tensor, axis: str = "per_step", eps: float = 1e-6) -> Tens
         raise ValueError(f"deltas must be [B, R], got {tuple(deltas.shape)}")
     if axis not in NORM_AXES:
         raise ValueError(f"axis must be one of {NORM_AXES}, got {axis!r}")
+    valid = ~deltas.isnan() if valid is None else valid.bool() & ~deltas.isnan()
     if axis == "none":
-        return deltas
+        return torch.where(valid, deltas, math.nan)
     dims = {"per_step": (0,), "trajectory": (1,), "group": (0, 1)}[axis]
-    mu = deltas.mean(dims, keepdim=True)
-    sigma = deltas.std(dims, correction=0, keepdim=True)
+    if bool(valid.all()):
+        mu = deltas.mean(dims, keepdim=True)
+        sigma = deltas.std(dims, correction=0, keepdim=True)
+        # Equal values have no spread; without this the rounding of mu would leak through 1/eps.
+        constant = deltas.amax(dims, keepdim=True) == deltas.amin(dims, keepdim=True)
+    else:
+        count = valid.sum(dims, keepdim=True).clamp_min(1)
+        present = torch.where(valid, deltas, 0.0)
+        mu = present.sum(dims, keepdim=True) / count
+        spread = torch.where(valid, (deltas - mu) ** 2, 0.0).sum(dims, keepdim=True)
+        sigma = (spread / count).sqrt()
+        high = torch.where(valid, deltas, -math.inf).amax(dims, keepdim=True)
+        low = torch.where(valid, deltas, math.inf).amin(dims, keepdim=True)
+        constant = high == low
     centred = deltas - mu
-    # Equal values have no spread; without this the rounding of mu would leak through 1/eps.
-    constant = deltas.amax(dims, keepdim=True) == deltas.amin(dims, keepdim=True)
-    return torch.where(constant, torch.zeros_like(centred), centred / (sigma + eps))
+    out = torch.where(constant, torch.zeros_like(centred), centred / (sigma + eps))
+    return torch.where(valid, out, math.nan)
 
 
 def token_multipliers(
@@ -164,6 +225,12 @@ def token_multipliers(
     return multipliers
 
 
+def _steps_of(rollout):
+    """T_b per row when the rollout has them (``steps_taken``), else the budget T."""
+    taken = getattr(rollout, "steps_taken", None)
+    return taken if taken is not None else getattr(rollout, "num_steps", None)
+
+
 def rollout_multipliers(
     rollout,
     *,
@@ -188,7 +255,7 @@ def rollout_multipliers(
         last_logp=getattr(rollout, "last_logp", None),
         last_mask=getattr(rollout, "last_mask", None),
         recorded_steps=rollout.recorded_steps,
-        num_steps=getattr(rollout, "num_steps", None),
+        num_steps=_steps_of(rollout),
     )
     norm = normalize(deltas, norm_axis, eps)
     return token_multipliers(norm, rollout.birth_step, rollout.recorded_steps, lam, clamp_min)

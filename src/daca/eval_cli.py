@@ -6,6 +6,7 @@ block 32); the tiny model's own settings (L 16, 8 steps, one block) when it is t
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -28,15 +29,25 @@ def _add_generation(p) -> None:
     p.add_argument("--steps", type=int, help="default gen_length / 2")
     p.add_argument("--block-length", type=int, help="default 32 (tiny model: its own)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--cache",
+        choices=("none", "prefix", "dual"),
+        help="block KV cache (docs/rollouts.md); default the model's setting, else none",
+    )
+    p.add_argument(
+        "--parallel-threshold",
+        type=float,
+        help="commit every masked block position more confident than this (e.g. 0.9)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _generation(args, bundle) -> GenerationConfig:
-    if bundle.family == "tiny":
+    meta = bundle.meta.get("generation")
+    if meta:  # a model written by daca: the settings it was trained with
         from dataclasses import fields
 
-        meta = json.loads((Path(bundle.path) / "daca.json").read_text()).get("generation", {})
         known = {f.name for f in fields(GenerationConfig)}
         base = GenerationConfig(**{k: v for k, v in meta.items() if k in known})
     else:
@@ -51,6 +62,10 @@ def _generation(args, bundle) -> GenerationConfig:
         temperature=args.temperature,
         cfg_scale=base.cfg_scale,
         remasking=base.remasking,
+        cache=args.cache or base.cache,
+        parallel_threshold=(
+            base.parallel_threshold if args.parallel_threshold is None else args.parallel_threshold
+        ),
     )
 
 
@@ -76,6 +91,23 @@ def _setup(args):
     return bundle, task, _generation(args, bundle)
 
 
+def _errors_as_messages(run):
+    """A bad model folder, data file or setting: one line and exit code 2, no traceback."""
+
+    @functools.wraps(run)
+    def wrapped(args) -> int:
+        from daca.sandbox import SandboxUnavailable
+
+        try:
+            return run(args)
+        except (OSError, ValueError, SandboxUnavailable) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+@_errors_as_messages
 def run_eval(args) -> int:
     from daca.evaluation import evaluate
 
@@ -102,11 +134,14 @@ def run_eval(args) -> int:
     print(
         f"{args.task}: {res.mean:.4f} ± {res.ci95:.4f} (95 % interval, n={len(res.scores)}, "
         f"L={gen.gen_length}, steps={gen.steps}, block={gen.block_length}, "
-        f"temperature={args.temperature}); per-example lines in {out}"
+        f"temperature={args.temperature}, cache={gen.cache}, "
+        f"parallel_threshold={gen.parallel_threshold}, mean steps "
+        f"{sum(res.steps) / max(len(res.steps), 1):.2f}); per-example lines in {out}"
     )
     return 0
 
 
+@_errors_as_messages
 def run_sample(args) -> int:
     from daca.evaluation import evaluate
 

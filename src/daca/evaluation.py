@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,7 +46,8 @@ def rollout(
     limit: int | None = None,
     truncate: bool = False,
 ) -> Generated:
-    """Generate one completion per row with ``model`` (default ``bundle.model``).
+    """Generate one completion per row with ``model`` (default ``bundle.model``), with the
+    sampler settings of ``gen`` (its ``cache`` and ``parallel_threshold`` included).
 
     Prompts longer than ``limit`` tokens (or the tiny model's width) are a ValueError, or with
     ``truncate`` keep their last tokens (``daca.models.prompts.fit_prompts``)."""
@@ -72,6 +73,8 @@ def rollout(
         generator=generator,
         dps_stride=dps_stride,
         dps_scope=dps_scope,
+        cache=gen.cache,
+        parallel_threshold=gen.parallel_threshold,
     )
     texts = decode_completions(bundle, out.completion_ids.cpu())
     return Generated(texts, out, prompt_mask, prompts, cut)
@@ -84,6 +87,7 @@ class EvalResult:
     scores: list[float]
     completions: list[str]
     prompts: list[str]
+    steps: list[int] = field(default_factory=list)  # denoising steps each example took
 
 
 def mean_ci95(scores: list[float]) -> tuple[float, float]:
@@ -108,11 +112,23 @@ def evaluate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     progress: bool = False,
+    reward_timeout: float | None = 30.0,
 ) -> EvalResult:
-    """The task's metric on ``rows`` (temperature 0 by default, the paper's protocol)."""
+    """The task's metric on ``rows`` (temperature 0 by default, the paper's protocol).
+
+    Scores run guarded (``daca.rewards.score_completions``): an example whose scoring raises or
+    overruns ``reward_timeout`` seconds scores 0 and is logged. A task that runs model-written
+    code first checks that the sandbox works (``SandboxUnavailable`` says how to fix it).
+    """
+    from daca.rewards import score_completions
+
+    if task.executes_code:
+        from daca.sandbox import isolation_available
+
+        isolation_available()
     was_training = bundle.model.training
     bundle.model.eval()
-    scores, completions, prompts = [], [], []
+    scores, completions, prompts, steps = [], [], [], []
     batches = range(0, len(rows), batch_size)
     if progress:
         from tqdm.auto import tqdm
@@ -123,10 +139,13 @@ def evaluate(
             chunk = rows[start : start + batch_size]
             done = rollout(bundle, task, chunk, gen, temperature=temperature, generator=generator)
             columns = {c: [r.get(c) for r in chunk] for c in task.columns}
-            scores += [float(s) for s in task.score(done.texts, **columns)]
+            scores += score_completions(
+                task.score, done.texts, columns, on_error="zero", timeout=reward_timeout
+            )
             completions += done.texts
             prompts += done.prompts
+            steps += done.rollout.steps_taken.tolist()
     finally:
         bundle.model.train(was_training)
     mean, ci = mean_ci95(scores)
-    return EvalResult(mean, ci, scores, completions, prompts)
+    return EvalResult(mean, ci, scores, completions, prompts, steps)

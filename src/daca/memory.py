@@ -1,11 +1,12 @@
 """GPU-memory estimate per device for ``daca train --dry-run``, from the config alone.
 
-The model's size comes from ``daca.models.families.model_shape`` (a folder's config.json, a
-built-in table of known families, or the hub cache); nothing is loaded. The estimate follows
-the trainer's phases: a rollout (no gradients: the forward's logits and the DPS trace) and an
-update (activations of every forward in the loss, the log-softmax rows it keeps), on top of the
-weights and the trainable state that live throughout. It is a planning number (±30 %), not a
-measurement; ``benchmarks/gpu_smoke.sh`` prints measured peaks.
+The model's size comes from ``daca.models.families.model_shape``: the model built on the meta
+device from its config.json (a folder's, a built-in copy for LLaDA-8B and Dream-7B, or the hub
+cache's), its parameters and projections read off the module; no weights are loaded. The
+estimate follows the trainer's phases: a rollout (no gradients: the forward's logits and the
+DPS trace) and an update (activations of every forward in the loss, the log-softmax rows it
+keeps), on top of the weights and the trainable state that live throughout. It is a planning
+number (±30 %), not a measurement; ``benchmarks/gpu_smoke.sh`` prints measured peaks.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ class MemoryEstimate:
 
 def dps_trace_rows(gen_length: int, steps: int, block_length: int, stride: int, scope: str):
     """Peak held log-probability rows per sequence (``daca.sampler.TraceRecorder``):
-    "all": L (T + s − 1)² / (4 s T); "block": b (k + s − 1)² / (4 s k) with k = T / (L / b)."""
+    "all": L (T + s − 1)² / (4 s T); "block": b (k + s − 1)² / (4 s k) with k = T / (L / b) for
+    one block, b (k + 2s − 1)² / (4 s k) for several (each block also holds the rows that the
+    previous block's last recorded step kept for it, docs/rollouts.md)."""
     if scope == "all":
         return gen_length * (steps + stride - 1) ** 2 / (4 * stride * steps)
     k = steps // (gen_length // block_length)
-    return block_length * (k + stride - 1) ** 2 / (4 * stride * k)
+    carried = stride if gen_length > block_length else 0
+    return block_length * (k + stride + carried - 1) ** 2 / (4 * stride * k)
 
 
 def estimate(cfg: TrainConfig) -> MemoryEstimate:
@@ -59,9 +63,9 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
     h, V, layers = shape.hidden, shape.vocab, shape.layers
     est = MemoryEstimate(cfg.model, source, shape.parameters, 0)
 
-    # Weights: NF4 for the layers' projections (embeddings and head stay bf16), else bf16/fp32.
+    # Weights: NF4 for the layers' projections (embeddings, head, norms, biases stay bf16).
     if cfg.load_in_4bit:
-        weights = shape.linear_parameters * NF4_BYTES + shape.embedding_parameters * 2
+        weights = shape.linear_parameters * NF4_BYTES + shape.other_parameters * 2
         kind = "4-bit NF4, embeddings bf16"
     else:
         weights = shape.parameters * act

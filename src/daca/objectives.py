@@ -1,4 +1,4 @@
-"""Group advantages and the three base losses, with the DACA hooks (METHOD.md §4).
+"""Group advantages and the four base losses, with the DACA hooks (METHOD.md §4, §6).
 
 Batch layout: B = num_prompts * G rows with the groups contiguous (rows g*G .. g*G+G-1 share a
 prompt). Per-token tensors are [B, L]; ``completion_mask`` [B, L] (bool or float, None = all
@@ -65,14 +65,24 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, epsilon: float) -> tuple[Tens
     return -torch.min(unclipped, clipped), active
 
 
-def group_advantages(
-    rewards: Tensor, num_generations: int, scale: str = "none", eps: float = 1e-4
-) -> Tensor:
-    """A_g = r_g - mean_group(r) [B] (METHOD.md §4, "Common").
+ADVANTAGE_BASELINES = ("mean", "leave_one_out")
 
+
+def group_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    scale: str = "none",
+    eps: float = 1e-4,
+    baseline: str = "mean",
+) -> Tensor:
+    """A_g = r_g - b_g [B] (METHOD.md §4, "Common"; §6).
+
+    ``baseline="mean"``: b_g = mean of the group (d1, wd1, GDPO). ``"leave_one_out"``: b_g = mean
+    of the group's OTHER rewards, (Σ_j r_j - r_g) / (G - 1) = r_g - G/(G-1)·(r_g - mean), as
+    DiffuCoder's coupled-GRPO computes it (``leave_one_out = True`` in its trainer); needs G ≥ 2.
     ``scale="group"`` also divides by the group's std + eps, with the UNBIASED std (divides by
-    G-1), as TRL's ``scale_rewards="group"`` does; a group of one has std 0. The three reference
-    codes (d1, wd1, GDPO) do not divide, hence the default ``"none"``.
+    G-1), as TRL's ``scale_rewards="group"`` does; a group of one has std 0. The reference codes
+    do not divide, hence the default ``"none"``.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [B], got {tuple(rewards.shape)}")
@@ -83,13 +93,21 @@ def group_advantages(
         )
     if scale not in ("none", "group"):
         raise ValueError(f"scale must be 'none' or 'group', got {scale!r}")
+    if baseline not in ADVANTAGE_BASELINES:
+        raise ValueError(f"baseline must be one of {ADVANTAGE_BASELINES}, got {baseline!r}")
+    if baseline == "leave_one_out" and num_generations < 2:
+        raise ValueError("the leave-one-out baseline needs num_generations >= 2")
     grouped = rewards.view(-1, num_generations)
     centred = grouped - grouped.mean(1, keepdim=True)
+    dof = max(num_generations - 1, 1)
+    adv = centred
+    if baseline == "leave_one_out":
+        others = (grouped.sum(1, keepdim=True) - grouped) / dof
+        adv = grouped - others
     if scale == "group":
-        dof = max(num_generations - 1, 1)
         std = (centred.square().sum(1, keepdim=True) / dof).sqrt()
-        centred = centred / (std + eps)
-    return centred.reshape(-1)
+        adv = adv / (std + eps)
+    return adv.reshape(-1)
 
 
 def diffu_grpo_loss(
@@ -266,6 +284,45 @@ def gdpo_loss(
         if token_multipliers is not None:
             metrics["multiplier_mean"] = _token_mean(token_multipliers, mask).item()
     return loss, metrics
+
+
+def coupled_grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor | None = None,
+    *,
+    epsilon: float = 0.5,
+    beta: float = 0.01,
+    ref_logp: Tensor | None = None,
+    token_multipliers: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """coupled-GRPO (DiffuCoder, arXiv 2506.20639 §4; METHOD.md §6) loss, averaged over the
+    batch's completion tokens.
+
+    The GRPO objective with per-token ratios rho_n = exp(l^C_n - l^C_old,n) of the coupled
+    estimate (``likelihood.coupled_logp``, the same mask pairs for current, old and reference):
+    loss_n = -min(rho_n A_n, clip(rho_n, 1-eps, 1+eps) A_n) + beta * KL_n, k3 KL against the
+    reference, A_n = A * m_n (m = DPS ``token_multipliers``, or 1), summed over the completion
+    tokens of the batch and divided by their count: DiffuCoder's ``compute_loss``
+    (``src/open_r1/coupled_grpo.py``) term for term. Its published setting
+    (``recipes/config_coupled_code.yaml``): eps = 0.5, beta = 0.01 (hence ``ref_logp`` is
+    required by default), mu = 2 inner iterations, G = 10, leave-one-out advantages
+    (``group_advantages(baseline="leave_one_out")``) without std scaling.
+
+    +SML: pass ``sml_enriched(l^C, l^SML)`` for the three policies, as for Diffu-GRPO.
+    metrics: as ``diffu_grpo_loss``.
+    """
+    return diffu_grpo_loss(
+        logp,
+        old_logp,
+        advantages,
+        completion_mask,
+        epsilon=epsilon,
+        beta=beta,
+        ref_logp=ref_logp,
+        token_multipliers=token_multipliers,
+    )
 
 
 def sml_enriched(base_logp: Tensor, sml_logp: Tensor) -> Tensor:

@@ -39,11 +39,13 @@ class PretrainConfig:
     target_accuracy: float | None = 0.40  # stop once the stopping task's held-out metric >= this
     stop_task: str = "sudoku"  # which task's metric the stopping rule reads (mix: sudoku)
     train_size: int = 4000  # generated training examples per task
+    max_minutes: float | None = None  # stop (and save) after this much wall time
+    init_from: str | None = None  # continue from a saved tiny model (its steps and history)
+    also_eval: tuple[str, ...] = ()  # tasks measured on the final model only (held_out)
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     intermediate_size: int = 256
-    prompt_width: int = 20
     gen_length: int = 16
     steps: int = 8
     block_length: int = 16
@@ -70,36 +72,43 @@ def masked_diffusion_loss(
     return (ce * masked / t).sum() / (b * length)
 
 
-def _bundle(model, tokenizer, cfg: PretrainConfig) -> LoadedModel:
+def _bundle(model, tokenizer) -> LoadedModel:
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         mask_id=tokenizer.mask_token_id,
-        family="tiny",
+        family="llada",
         eos_ids=(tokenizer.eos_token_id,),
         pad_id=tokenizer.pad_token_id,
-        prompt_width=cfg.prompt_width,
+        prompt_format="compact",
     )
 
 
 def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     """Train, save the model folder to ``cfg.out`` and return the summary (also in daca.json)."""
     names = ["sudoku", "countdown"] if cfg.task == "mix" else [cfg.task]
+    deadline = None if cfg.max_minutes is None else time.time() + 60 * cfg.max_minutes
     tasks = {n: get_task(n) for n in names}
     train = {n: tasks[n].load(split="train", limit=cfg.train_size, seed=cfg.seed) for n in names}
     test = {n: tasks[n].load(split="test", limit=cfg.eval_size, seed=cfg.seed) for n in names}
     stop_task = cfg.stop_task if cfg.stop_task in names else names[0]
 
-    model, tokenizer = new_tiny(
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        prompt_width=cfg.prompt_width,
-        gen_length=cfg.gen_length,
-        seed=cfg.seed,
-    )
-    bundle = _bundle(model, tokenizer, cfg)
+    prior = {"steps_trained": 0, "seconds": 0.0, "history": []}
+    if cfg.init_from:
+        from daca.models.loading import load
+
+        bundle = load(cfg.init_from)
+        model, tokenizer = bundle.model, bundle.tokenizer
+        prior.update({k: v for k, v in bundle.meta.items() if k in prior})
+    else:
+        model, tokenizer = new_tiny(
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            intermediate_size=cfg.intermediate_size,
+            seed=cfg.seed,
+        )
+        bundle = _bundle(model, tokenizer)
     gen = GenerationConfig(
         gen_length=cfg.gen_length, steps=cfg.steps, block_length=cfg.block_length, temperature=0.0
     )
@@ -118,12 +127,15 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     gen_torch = torch.Generator().manual_seed(cfg.seed)
     order_rng = random.Random(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
-    history: list[dict] = []
+    history: list[dict] = list(prior["history"])
+    offset = int(prior["steps_trained"])  # steps of the model this run continues
 
     def held_out(step: int) -> dict:
-        metrics = {"step": step}
+        metrics = {"step": offset + step}
         for n in names:
             metrics[n] = evaluate(bundle, tasks[n], test[n], gen, batch_size=200).mean
+        if history and history[-1]["step"] == metrics["step"]:
+            history.pop()  # the continued model's last evaluation, measured again
         history.append(metrics)
         return metrics
 
@@ -138,6 +150,8 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     index: list[int] = []
     while step < cfg.max_steps:
         if cfg.target_accuracy is not None and metrics[stop_task] >= cfg.target_accuracy:
+            break
+        if deadline is not None and time.time() > deadline:
             break
         if len(index) < cfg.batch_size:
             perm = list(range(len(targets)))
@@ -165,28 +179,34 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
             bar.set_postfix(loss=f"{loss.item():.3f}", **{n: f"{metrics[n]:.3f}" for n in names})
     if bar is not None:
         bar.close()
-    if history[-1]["step"] != step:
+    if history[-1]["step"] != offset + step:
         metrics = held_out(step)
 
+    final = {n: metrics[n] for n in names}
+    for n in cfg.also_eval:  # e.g. countdown-public: the public distribution of the task
+        rows = get_task(n).load(split="test", limit=cfg.eval_size, seed=cfg.seed)
+        final[n] = evaluate(bundle, get_task(n), rows, gen, batch_size=200).mean
     summary = {
         "generation": asdict(gen),
         "pretrain": asdict(cfg),
-        "steps_trained": step,
-        "seconds": round(time.time() - start, 1),
+        "steps_trained": offset + step,
+        "seconds": round(prior["seconds"] + time.time() - start, 1),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "held_out": {n: metrics[n] for n in names},
+        "held_out": final,
         "eval_size": cfg.eval_size,
         "history": history,
     }
-    out = save_tiny(cfg.out, model, tokenizer, prompt_width=cfg.prompt_width, **summary)
-    summary = {"family": "tiny", "prompt_width": cfg.prompt_width, **summary}
-    log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {metrics[n]:.3f}" for n in names))
+    out = save_tiny(cfg.out, model, tokenizer, **summary)
+    summary = {"family": "llada", "prompt_format": "compact", **summary}
+    log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {v:.3f}" for n, v in final.items()))
     return summary
 
 
 def add_arguments(p) -> None:
     d = PretrainConfig()
-    p.add_argument("--task", choices=["sudoku", "countdown", "mix"], default=d.task)
+    p.add_argument(
+        "--task", choices=["sudoku", "countdown", "countdown-public", "mix"], default=d.task
+    )
     p.add_argument("--out", default=d.out, help="output model folder")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-steps", type=int, default=d.max_steps)
@@ -202,6 +222,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--stop-task", default=d.stop_task)
     p.add_argument("--train-size", type=int, default=d.train_size, help="examples per task")
+    p.add_argument("--max-minutes", type=float, help="stop and save after this wall time")
+    p.add_argument("--init-from", help="a saved tiny model to continue training (same task)")
+    p.add_argument(
+        "--also-eval", nargs="*", default=[], help="tasks measured on the final model only"
+    )
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
     p.add_argument("--num-layers", type=int, default=d.num_layers)
 
@@ -219,6 +244,9 @@ def run(args) -> int:
         target_accuracy=None if args.target_accuracy < 0 else args.target_accuracy,
         stop_task=args.stop_task,
         train_size=args.train_size,
+        max_minutes=args.max_minutes,
+        init_from=args.init_from,
+        also_eval=tuple(args.also_eval),
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
     )

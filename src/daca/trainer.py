@@ -15,17 +15,17 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from daca import checkpoint, dps, likelihood, objectives
+from daca import checkpoint, dps, likelihood, objectives, sandbox
 from daca.checkpoint import latest_checkpoint
 from daca.config import TrainConfig, resolved, to_dict, validate
 from daca.evaluation import rollout
-from daca.models.loading import LoadedModel, load
+from daca.models.loading import LoadedModel, load, save_pretrained
 from daca.models.prompts import (
     completion_mask,
     fit_prompts,
@@ -35,6 +35,10 @@ from daca.models.prompts import (
 )
 from daca.rewards import score_rewards
 from daca.tasks import get_task
+
+# How long a process whose peer failed waits for the launcher to end it before it reports the
+# broken collective itself (launched without torchrun, nothing else would end it).
+_PEER_GRACE_S = 30.0
 
 # Per-step counts: summed over micro-batches and processes (other numbers are averaged).
 _COUNTS = ("prompts_truncated",)
@@ -107,6 +111,7 @@ class Trainer:
             self.task = get_task(config.task)
         except ValueError as e:
             raise InputError(f"task={config.task}: {e}") from None
+        self._check_sandbox()
         self.train_rows = self._load_rows("train", config.data_file, config.train_size)
         self.eval_rows = self._load_rows("test", config.eval_file, config.eval_size)
         self.bundle = self._load_model()
@@ -141,6 +146,7 @@ class Trainer:
         self.evals: list[dict] = []
         self.nonfinite_total = 0  # steps skipped for a non-finite loss or gradient
         self._nonfinite_cause = ""
+        self._register_state_hooks()
         if resume:
             self._resume()
 
@@ -169,6 +175,18 @@ class Trainer:
                 _write_text(self.run_dir / "config.yaml", _yaml(to_dict(self.cfg)))
         if self._anywhere(failed is not None):
             raise failed or InputError(f"the main process cannot write to {self.run_dir}")
+
+    def _check_sandbox(self) -> None:
+        """A task that runs model-written code stops here, before any model loads, when no
+        working isolation exists and unsafe execution was not asked for (``sandbox: unsafe``)."""
+        if not self.task.executes_code:
+            return
+        if self.cfg.sandbox == "unsafe":
+            sandbox.allow_unsafe_execution()
+        try:
+            sandbox.isolation_available()
+        except sandbox.SandboxUnavailable as e:
+            raise InputError(f"task={self.cfg.task}: {e}") from None
 
     def _anywhere(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any process (a collective: every rank must call it)."""
@@ -228,6 +246,7 @@ class Trainer:
             bundle = load_4bit(cfg.model, device=self.acc.device)
         else:
             bundle = load(cfg.model, device=self.acc.device, dtype=dtype)
+        bundle.meta["generation"] = asdict(cfg.generation)  # checkpoints evaluate with these
         if cfg.gradient_checkpointing:
             from daca.models.families import enable_gradient_checkpointing
 
@@ -243,7 +262,9 @@ class Trainer:
                 lora_dropout=cfg.lora.dropout,
                 target_modules=cfg.lora.target_modules or lora_targets(bundle),
             )
-            bundle.model = get_peft_model(bundle.model, lcfg)
+            with torch.random.fork_rng(devices=[]):  # the adapter's initial A: seeded
+                torch.manual_seed(_seed(cfg.seed, 3))
+                bundle.model = get_peft_model(bundle.model, lcfg)
         bundle.model.train()
         return bundle
 
@@ -278,14 +299,18 @@ class Trainer:
         args = (model, batch.prompt_ids, batch.completion_ids)
         if cfg.method == "gdpo":
             base = likelihood.elbo_token_terms(
-                *args, quadrature=cfg.quadrature, generator=_gen(device, seed, 1), **common
+                *args,
+                quadrature=cfg.quadrature,
+                generator=_gen(device, seed, 1),
+                completion_mask=batch.completion_mask,  # mask among the real tokens only
+                **common,
             )
         else:
             base = likelihood.mean_field_logp(
                 *args, p_mask_prompt=cfg.p_mask_prompt, generator=_gen(device, seed, 1), **common
             )
-        if not cfg.sml.enabled:
-            return base, None
+        if not cfg.sml.enabled or (cfg.method == "wd1" and cfg.sml.eta == 0):
+            return base, None  # wd1 with eta 0 would discard the K stratified forwards
         sml = likelihood.stratified_logp(
             *args,
             num_strata=cfg.sml.num_strata,
@@ -348,6 +373,7 @@ class Trainer:
             texts,
             columns,
             on_error=cfg.on_reward_error,
+            on_timeout=cfg.on_reward_timeout,
             timeout=cfg.reward_timeout,
         )
         t2 = time.perf_counter()
@@ -597,6 +623,8 @@ class Trainer:
         # Pad to equal counts: a sharded model (FSDP) runs collectives in every forward.
         per_rank = -(-len(self.eval_rows) // self.world)
         padded = rows + self.eval_rows[: per_rank - len(rows)]
+        from daca.rewards import score_completions  # the guarded metric (daca.rewards)
+
         size, scores = self.cfg.eval_batch_size, []
         was_training = model.training
         model.eval()
@@ -605,7 +633,14 @@ class Trainer:
                 chunk = padded[start : start + size]
                 texts = self._generate(model, chunk, temperature=0.0)[0]
                 columns = {c: [r.get(c) for r in chunk] for c in self.task.columns}
-                scores += [float(x) for x in self.task.score(texts, **columns)]
+                scores += score_completions(
+                    self.task.score,
+                    texts,
+                    columns,
+                    on_error=self.cfg.on_reward_error,
+                    on_timeout=self.cfg.on_reward_timeout,
+                    timeout=self.cfg.reward_timeout,
+                )
         finally:
             model.train(was_training)
         scores = scores[: len(rows)]
@@ -618,59 +653,65 @@ class Trainer:
     def save(self) -> None:
         """Write the checkpoint of this step, complete or not at all (``daca.checkpoint``).
 
-        A failed write (a full disk) removes the partial folder, keeps the previous checkpoints
-        and stops the run on every rank with a TrainingError saying what to do.
+        ``state/`` holds accelerate's full training state, which ``--resume`` restores: the
+        model, optimizer and scheduler (sharded as the backend shards them: FSDP, DeepSpeed
+        ZeRO) and every rank's RNG. ``model/`` holds the weights for ``daca eval``,
+        ``trainer_state.pt`` the step and the logs. A failed write (a full disk, a model that
+        cannot be saved, any error) removes the partial folder, keeps the previous checkpoints
+        and stops the run on every rank with a TrainingError naming the cause.
         """
         step, main = self.step, self.acc.is_main_process
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         self.acc.wait_for_everyone()
         latest = latest_checkpoint(self.run_dir)
         if latest is not None and latest[0] == step:
             return  # resumed from this very checkpoint: nothing new to write
-        # Every rank takes part: a sharded model (FSDP) gathers its full weights here.
-        weights = self.acc.get_state_dict(self.model)
         tmp = checkpoint.temporary_dir(self.run_dir, step)
         error = None
         if main:
             try:
                 checkpoint.begin(self.run_dir, step)
-            except OSError as e:
+            except Exception as e:
                 error = e
-        self.acc.wait_for_everyone()
-        try:
-            # Each rank's RNG state (the run draws from seeded generators; these restore
-            # anything that used the global RNG, e.g. LoRA dropout), inside the checkpoint.
-            torch.save(rng, tmp / f"rng_state_{self.rank}.pt")
-            if main and error is None:
-                model = self.acc.unwrap_model(self.model)
-                model.save_pretrained(tmp / "model", state_dict=weights)
-                state = {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "step": step,
-                    "history": self.history,
-                    "evals": self.evals,
-                }
-                torch.save(state, tmp / "trainer_state.pt")
-        except OSError as e:
-            error = error or e
+        if not self._anywhere(error is not None):
+            try:
+                self._write_checkpoint(tmp)
+            except Exception as e:
+                error = e
         if not self._anywhere(error is not None) and main:
             try:
                 checkpoint.commit(self.run_dir, step, keep=self.cfg.save_total_limit)
-            except OSError as e:
+            except Exception as e:
                 error = e
         if self._anywhere(error is not None):
             if main:
                 checkpoint.discard_temporary(self.run_dir, step)
-            reason = f"{error.strerror or error}" if error else "it failed on another process"
-            kept = f"the previous checkpoint {latest[1]} is intact" if latest else "none existed"
-            raise TrainingError(
-                f"could not write the checkpoint of step {step} to {tmp.parent} ({reason}); "
-                f"the partial folder was removed and {kept}. Free space in {tmp.parent} (or "
-                f"lower save_total_limit, or move output_dir to a larger disk), then continue "
-                f"with `daca train --resume {self.run_dir}`"
-            ) from error
+            raise TrainingError(_save_failed(self.run_dir, step, latest, error)) from error
         self.acc.wait_for_everyone()
+
+    def _write_checkpoint(self, tmp: Path) -> None:
+        """Every rank writes its part of ``state/`` (its shards, its RNG) and takes part in
+        gathering the full weights (FSDP); the main process writes the rest."""
+        self.acc.save_state(str(tmp / "state"))
+        weights = self.acc.get_state_dict(self.model)
+        if self.acc.is_main_process:
+            weights = _own_storage(weights)
+            # A complete model (hub layout or LoRA adapter, tokenizer, daca.json) that
+            # `daca eval`, `daca sample` and `daca.models.load` accept as it is.
+            model = self.acc.unwrap_model(self.model)
+            save_pretrained(self.bundle, tmp / "model", model, state_dict=weights)
+            state = {"step": self.step, "history": self.history, "evals": self.evals}
+            torch.save(state, tmp / "trainer_state.pt")
+
+    def _register_state_hooks(self) -> None:
+        """Under LoRA, ``state/`` holds the trainable weights only: the frozen base is the base
+        model, loaded anew, so a checkpoint of an 8B model stays the adapter's size. (FSDP and
+        DeepSpeed write their model files themselves.)"""
+        from accelerate.utils import DistributedType
+
+        sharded = (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        if self.cfg.lora.enabled and self.acc.distributed_type not in sharded:
+            self.acc.register_save_state_pre_hook(_keep_trainable)
+            self.acc.register_load_state_pre_hook(_load_trainable)
 
     def _resume(self) -> None:
         """Continue from the latest complete checkpoint; none yet (a run stopped before its
@@ -681,18 +722,17 @@ class Trainer:
         found = latest_checkpoint(self.run_dir)
         if found is not None:
             step, folder = found
+            if not (folder / "state").is_dir():
+                raise TrainingError(
+                    f"{folder} holds no state/ folder (written by an older daca): it cannot be "
+                    f"resumed exactly. Start a new run from its weights with "
+                    f"model={folder / 'model'}"
+                )
             state = torch.load(folder / "trainer_state.pt", weights_only=False)
-            model = self.acc.unwrap_model(self.model)
-            _load_weights(model, folder / "model")
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            # Weights, optimizer, scheduler and this rank's RNG, as each backend saved them.
+            self.acc.load_state(str(folder / "state"))
             self.step, self.history, self.evals = state["step"], state["history"], state["evals"]
             self.nonfinite_total = int(sum(h.get("nonfinite_skipped", 0) for h in self.history))
-            rng_file = folder / f"rng_state_{self.rank}.pt"
-            if rng_file.is_file():
-                rng = torch.load(rng_file, weights_only=False)
-                torch.set_rng_state(rng["torch"])
-                random.setstate(rng["python"])
         if self.acc.is_main_process:
             # The logs may hold steps past the checkpoint: rewrite them from its state.
             _rewrite_jsonl(self.run_dir / "metrics.jsonl", self.history)
@@ -722,6 +762,18 @@ class Trainer:
             f"the run. {where}; after the fix, continue with `daca train --resume {self.run_dir}`"
         )
 
+    def _out_of_memory(self, error: BaseException) -> str:
+        """What to change after a step ran out of memory (the other ranks are ended by the
+        launcher when this one exits)."""
+        latest = latest_checkpoint(self.run_dir)
+        where = f"The last checkpoint is {latest[1]}" if latest else "No checkpoint was written"
+        return (
+            f"out of memory in step {self.step + 1} on process {self.rank} "
+            f"({str(error).splitlines()[0]}). {where}; lower per_device_train_batch_size (raise "
+            f"gradient_accumulation_steps to keep the batch) or generation.gen_length, or set "
+            f"gradient_checkpointing=true, then continue with `daca train --resume {self.run_dir}`"
+        )
+
     def train(self) -> dict:
         from daca.run_logging import RunLogger
 
@@ -736,7 +788,10 @@ class Trainer:
         logger.start(total=cfg.max_steps, initial=start_step, held_out=self.evals[-1]["held_out"])
         try:
             while self.step < cfg.max_steps:
-                stats = self.train_step()
+                try:
+                    stats = self.train_step()
+                except torch.OutOfMemoryError as e:
+                    raise TrainingError(self._out_of_memory(e)) from e
                 self.nonfinite_total += int(stats["nonfinite_skipped"])
                 stats["nonfinite_steps"] = float(self.nonfinite_total)
                 self.history.append(stats)
@@ -751,6 +806,12 @@ class Trainer:
                 self.evals.append({"step": self.step, "held_out": self.evaluate()})
                 logger.log_eval(self.evals[-1])
             self.save()
+        except Exception as e:
+            if self.world > 1 and _peer_gone(e):
+                # Another process failed and closed its connections: its error is the one to
+                # report. The launcher (torchrun) ends this process within a second or so.
+                time.sleep(_PEER_GRACE_S)
+            raise
         finally:
             logger.close()
         summary = {
@@ -771,27 +832,66 @@ def _mean_dicts(dicts: list[dict]) -> dict:
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 
-def _load_weights(model, folder: Path) -> None:
-    """Load weights saved by ``save_pretrained`` (full model or PEFT adapter) in place."""
+def _peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed because another process ended."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or "closed by peer" in text or "reset by peer" in text
+
+
+def _save_failed(run_dir: Path, step: int, latest, error: BaseException | None) -> str:
+    """What a failed checkpoint write says: the cause, what is intact, how to go on."""
+    folder = Path(run_dir) / "checkpoints"
+    if error is None:
+        cause = "it failed on another process"
+    elif isinstance(error, OSError) and error.strerror:
+        cause = error.strerror
+    else:
+        cause = f"{type(error).__name__}: {error}"
+    kept = f"the previous checkpoint {latest[1]} is intact" if latest else "none existed"
+    fix = (
+        f"Free space in {folder} (or lower save_total_limit, or move output_dir to a larger disk)"
+        if isinstance(error, OSError)
+        else "Fix the cause"
+    )
+    return (
+        f"could not write the checkpoint of step {step} to {folder} ({cause}); the partial "
+        f"folder was removed and {kept}. {fix}, then continue with "
+        f"`daca train --resume {run_dir}`"
+    )
+
+
+def _own_storage(weights: dict) -> dict:
+    """The weights, each tensor owning its storage: a gathered FSDP shard can be a view into
+    a padded buffer, which safetensors refuses to save."""
+    return {
+        k: v if v.untyped_storage().nbytes() == v.nbytes else v.clone() for k, v in weights.items()
+    }
+
+
+def _keep_trainable(models, weights, output_dir) -> None:
+    """accelerate's save_state hook: only the trainable weights go into ``state/``."""
+    for model, state in zip(models, weights, strict=True):
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        for key in [k for k in state if k not in trainable]:
+            del state[key]
+
+
+def _load_trainable(models, input_dir) -> None:
+    """accelerate's load_state hook: load the trainable weights ``_keep_trainable`` saved
+    (every one of them must be there), then leave the optimizer, scheduler and RNG to it."""
+    from accelerate.utils import SAFE_WEIGHTS_NAME
     from safetensors.torch import load_file
 
-    adapter = folder / "adapter_model.safetensors"
-    if adapter.is_file():
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(adapter))
-        return
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no weights")
-    state = {}
-    for f in files:
-        state.update(load_file(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # Tied weights are saved once; anything else missing is an error.
-    real_missing = [k for k in missing if "decoder" not in k and "lm_head" not in k]
-    if real_missing or unexpected:
-        raise RuntimeError(f"{folder}: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
+    for i, model in enumerate(models):
+        path = Path(input_dir) / SAFE_WEIGHTS_NAME.replace(".", f"_{i}." if i else ".", 1)
+        missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        lost = sorted(trainable & set(missing))
+        if lost or unexpected:
+            raise RuntimeError(f"{path}: missing {lost[:5]}, unexpected {unexpected[:5]}")
+    models.clear()  # loaded: accelerate must not load them again (strictly)
 
 
 def _rewrite_jsonl(path: Path, rows: list[dict]) -> None:

@@ -26,7 +26,7 @@ through TRL's ``tool_mask`` (TRL's mask of tokens the policy is not trained on).
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +38,7 @@ try:
     from transformers import GenerationConfig
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
-    from trl.trainer.utils import use_adapter
+    from trl.trainer.utils import is_async_callable, use_adapter
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "daca.integrations.trl needs TRL: pip install 'daca-grpo[trl]' (trl==1.16.0)"
@@ -51,8 +51,7 @@ from daca.likelihood import (
     mean_field_logp,
     strata_assignment,
 )
-from daca.models import loading
-from daca.models.loading import LoadedModel, forward_adapters, install_forward_adapter, load
+from daca.models.loading import LoadedModel, load, write_meta
 from daca.objectives import sml_enriched
 from daca.sampler import REMASKING, SCOPES, generate
 
@@ -86,6 +85,10 @@ class DACAGRPOConfig(GRPOConfig):
     temperature: float = _f(0.9, "Gumbel temperature of the sampler")
     cfg_scale: float = _f(0.0, "classifier-free guidance scale (0 = off)")
     remasking: str = _f("low_confidence", f"commit order, one of {REMASKING}")
+    cache: str = _f("none", "block KV cache of the rollouts: none, prefix or dual (rollouts.md)")
+    parallel_threshold: float | None = _f(
+        None, "commit every masked block position more confident than this (rollouts.md)"
+    )
     prompt_width: int | None = _f(
         None, "left pad every prompt to exactly this width (models with absolute positions)"
     )
@@ -248,6 +251,62 @@ class _EntropyTap:
         return out
 
 
+def with_prompt_column(reward_func):
+    """``reward_func`` also given the dataset's ``prompt`` column as ``prompt=``.
+
+    TRL passes every column to reward functions but ``prompt``, which comes only as ``prompts``;
+    daca's tasks read their columns by name (HumanEval's reward needs ``prompt``).
+    """
+    if isinstance(reward_func, torch.nn.Module):
+        return reward_func
+    if is_async_callable(reward_func):
+
+        @functools.wraps(reward_func)
+        async def call_async(*args, prompts, **kwargs):
+            kwargs.setdefault("prompt", prompts)
+            return await reward_func(*args, prompts=prompts, **kwargs)
+
+        return call_async
+
+    @functools.wraps(reward_func)
+    def call(*args, prompts, **kwargs):
+        kwargs.setdefault("prompt", prompts)
+        return reward_func(*args, prompts=prompts, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _reference_through_daca():
+    """TRL builds the reference policy (``beta > 0`` without PEFT) by loading the policy's path
+    again through transformers' Auto classes, which know neither LLaDA's nor Dream's config;
+    while the trainer is built, that loader is ``daca.models.load`` (TRL is pinned exactly)."""
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.create_model_from_path
+
+    def create_model_from_path(model_id: str, **kwargs):
+        if not model_id:
+            raise ValueError(
+                "beta > 0 without PEFT needs a reference policy, which TRL loads from the "
+                "policy's folder; this model was not loaded from one: pass a name or folder, "
+                "a daca.models.load result, use PEFT, or set beta=0"
+            )
+        dtype = kwargs.get("dtype")
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+        return load(
+            model_id,
+            dtype=dtype if isinstance(dtype, torch.dtype) else None,
+            quantization_config=kwargs.get("quantization_config"),
+        ).model
+
+    grpo_trainer.create_model_from_path = create_model_from_path
+    try:
+        yield
+    finally:
+        grpo_trainer.create_model_from_path = original
+
+
 class DACAGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` for masked diffusion LMs with DACA (see the module docstring).
 
@@ -266,7 +325,7 @@ class DACAGRPOTrainer(GRPOTrainer):
         for name in ("tools", "rollout_func", "environment_factory"):
             if kwargs.get(name):
                 raise ValueError(f"DACAGRPOTrainer does not support {name}")
-        mask_id, prompt_width, self._daca_meta = args.mask_id, args.prompt_width, None
+        mask_id, prompt_width, self._daca_bundle = args.mask_id, args.prompt_width, None
         if isinstance(model, str):
             model = load(model)
         if isinstance(model, LoadedModel):
@@ -275,20 +334,17 @@ class DACAGRPOTrainer(GRPOTrainer):
             mask_id = bundle.mask_id if mask_id is None else mask_id
             prompt_width = bundle.prompt_width if prompt_width is None else prompt_width
             eos_ids = list(bundle.eos_ids)
-            if prompt_width is not None:  # saved checkpoints load back with the same width
-                self._daca_meta = {"family": bundle.family, "prompt_width": prompt_width}
+            bundle.prompt_width = prompt_width  # saved checkpoints load back with this width
+            self._daca_bundle = bundle
         else:
             tok = kwargs.get("processing_class")
             eos_ids = [] if tok is None or tok.eos_token_id is None else [tok.eos_token_id]
         if getattr(model, "generation_config", None) is None:
             # TRL reads pad and end-of-sequence ids there; masked LMs have no generation config.
             model.generation_config = GenerationConfig(eos_token_id=eos_ids or None)
-        adapters = forward_adapters(model)
-        super().__init__(model, reward_funcs, args, **kwargs)
-        if self.ref_model is not None:  # TRL reloads the reference from disk: same adapters
-            ref = self.accelerator.unwrap_model(self.ref_model)
-            for name in reversed(adapters):
-                install_forward_adapter(ref, getattr(loading, name))
+        with _reference_through_daca():
+            super().__init__(model, reward_funcs, args, **kwargs)
+        self.reward_funcs = [with_prompt_column(f) for f in self.reward_funcs]
         self.mask_id = self._tokenizer.mask_token_id if mask_id is None else mask_id
         if self.mask_id is None:
             raise ValueError("no mask token id: set DACAGRPOConfig.mask_id")
@@ -301,11 +357,12 @@ class DACAGRPOTrainer(GRPOTrainer):
         self.last_rollout = None  # the latest daca.Rollout of this process (for inspection)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """TRL's save, plus the ``daca.json`` that ``daca.models.load`` reads (prompt width)."""
+        """TRL's save (a native family's ``save_pretrained`` writes its hub layout), plus the
+        ``daca.json`` that ``daca.models.load`` reads (prompt format and width, LoRA base)."""
         super()._save(output_dir, state_dict)
-        if self._daca_meta is not None and self.args.should_save:
+        if self._daca_bundle is not None and self.args.should_save:
             folder = Path(output_dir if output_dir is not None else self.args.output_dir)
-            (folder / "daca.json").write_text(json.dumps(self._daca_meta))
+            write_meta(self._daca_bundle, folder, self.accelerator.unwrap_model(self.model))
 
     # ----------------------------------------------------------------- generation
     def _generate_single_turn(
@@ -315,6 +372,7 @@ class DACAGRPOTrainer(GRPOTrainer):
         if images is not None or multimodal_fields:
             raise ValueError("DACAGRPOTrainer supports text prompts only")
         args = self.args
+        self._seed_generators()
         width = self.prompt_width or max(len(p) for p in prompt_ids)
         ids, att = left_pad(prompt_ids, None, width, self._tokenizer.pad_token_id)
         ids, att = ids.to(self.accelerator.device), att.to(self.accelerator.device)
@@ -344,6 +402,8 @@ class DACAGRPOTrainer(GRPOTrainer):
                     generator=self._sample_gen,
                     dps_stride=args.dps_stride if args.dps_enabled else None,
                     dps_scope=args.dps_scope,
+                    cache=args.cache,
+                    parallel_threshold=args.parallel_threshold,
                 )
             finally:
                 unwrapped.train(was_training)
@@ -365,6 +425,15 @@ class DACAGRPOTrainer(GRPOTrainer):
         keep = (is_eos.long().cumsum(1) - is_eos.long()) == 0
         completion_ids = [c[k].tolist() for c, k in zip(completion.cpu(), keep.cpu(), strict=True)]
         return completion_ids, None
+
+    def _seed_generators(self) -> None:
+        """Seed the sampler's and the masks' generators from the step, not carried along: a run
+        resumed from a checkpoint draws the rollouts the uninterrupted run drew."""
+        parts = (self.args.seed, self.state.global_step, self.model.training)
+        rank = self.accelerator.process_index
+        for k, gen in enumerate((self._sample_gen, self._view_gen)):
+            # A tuple of ints hashes the same in every process and run (no hash randomisation).
+            gen.manual_seed(hash((*parts, rank, k)) & (2**63 - 1))
 
     def _generate(self, prompts):
         """TRL's ``_generate``, then the full completions with the loss mask as ``tool_mask``."""

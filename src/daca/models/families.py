@@ -1,26 +1,21 @@
 """Per-family knowledge for training: LoRA targets, gradient checkpointing and model shapes.
 
 Shapes feed the memory estimate of ``daca train --dry-run`` (``daca.memory``), which must work
-from the config alone: a local folder's ``config.json`` is read as JSON (no remote code runs),
-hub names of known families come from a built-in table, other hub names from the local hub
-cache when it holds their config.
+from the config alone: a config.json (a local folder's, read as JSON with no remote code run; a
+built-in copy of LLaDA-8B's and Dream-7B's for their hub names; else the local hub cache's)
+builds the model on the meta device, and the shape is read off that module.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# All attention and MLP projections (METHOD.md §5), by family. LLaDA's output head is also
-# called ``ff_out`` (model.transformer.ff_out), so its targets are a regex over the blocks
-# (PEFT matches a string target with re.fullmatch on the module name). d1 targets q, k, v only.
-LORA_TARGETS: dict[str, list[str] | str] = {
-    "llada": r".*\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
-    "dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "tiny": ["query", "key", "value", "dense"],
-}
+# All attention and MLP projections (METHOD.md §5): LLaDA and Dream run on transformers' Llama
+# and Qwen2, whose module names are the standard ones. d1 targets q, k, v only.
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: dict[str, list[str] | str] = {"llada": PROJECTIONS, "dream": PROJECTIONS}
 
 
 def lora_targets(bundle) -> list[str] | str:
@@ -29,129 +24,133 @@ def lora_targets(bundle) -> list[str] | str:
 
 
 def enable_gradient_checkpointing(model) -> None:
-    """Checkpoint every transformer layer (non-reentrant), for LLaDA's remote code too.
-
-    LLaDA (an OLMo derivative) has its own switch, ``set_activation_checkpointing``, on the inner
-    ``LLaDAModel``; copies whose ``_set_gradient_checkpointing`` hook was written for
-    transformers 4 reject the ``every_n_layers`` argument transformers 5 passes, and older
-    copies declare no support at all. Other models use transformers' own method.
-    """
+    """Checkpoint every transformer layer with transformers' own switch (non-reentrant, which
+    works with frozen inputs under LoRA)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    inner = getattr(base, "model", None)
-    if hasattr(inner, "set_activation_checkpointing"):
-        inner.set_activation_checkpointing("whole_layer")  # LLaDA's StrEnum compares as str
-        return
-    # transformers 5 renamed the method; the old name warns that it is deprecated.
-    enable = getattr(base, "activation_checkpointing_enable", None)
-    enable = enable or base.gradient_checkpointing_enable
-    try:
-        enable({"use_reentrant": False})
-    except TypeError as e:
-        if "every_n_layers" not in str(e):
-            raise
-        from torch.utils.checkpoint import checkpoint
-
-        base._set_gradient_checkpointing(
-            enable=True,
-            gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False),
-        )
+    base.activation_checkpointing_enable({"use_reentrant": False})
 
 
 # ----------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class ModelShape:
-    """What memory depends on: sizes of a transformer with per-layer attention and MLP.
+    """What memory depends on, read off the model's transformers module (``shape_of_module``).
 
-    gated: the MLP has three matrices (SwiGLU: gate, up, down; LLaDA ff_proj, up_proj, ff_out)
-    rather than two (BERT). tied: the output head shares the input embedding.
+    parameters: every parameter (a tied head counted once); linears: (in, out) of each linear
+    layer inside the transformer layers, in module order: the projections that LoRA adapts and
+    4-bit loading quantises.
     """
 
     hidden: int
     layers: int
     vocab: int
     mlp: int
-    heads: int
-    kv_heads: int
-    gated: bool = True
-    tied: bool = False
-
-    def layer_linears(self) -> list[tuple[int, int]]:
-        """(in, out) of each projection of one layer: q, k, v, o, then the MLP."""
-        h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
-        mlp = [(h, self.mlp)] * (2 if self.gated else 1) + [(self.mlp, h)]
-        return [(h, h), (h, kv), (h, kv), (h, h), *mlp]
+    parameters: int
+    linears: tuple[tuple[int, int], ...]
 
     @property
     def linear_parameters(self) -> int:
-        return self.layers * sum(i * o for i, o in self.layer_linears())
+        """Weights of the layers' projections (their biases, if any, are not counted here)."""
+        return sum(i * o for i, o in self.linears)
 
     @property
-    def embedding_parameters(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    @property
-    def parameters(self) -> int:
-        """Linear and embedding weights (norms and biases are negligible)."""
-        return self.linear_parameters + self.embedding_parameters
+    def other_parameters(self) -> int:
+        """Embeddings, output head, norms and biases: what 4-bit loading keeps in bf16."""
+        return self.parameters - self.linear_parameters
 
     def lora_parameters(self, r: int) -> int:
         """A rank-r adapter on every projection of every layer: r · (in + out) each."""
-        return self.layers * r * sum(i + o for i, o in self.layer_linears())
+        return r * sum(i + o for i, o in self.linears)
 
 
-LLADA_8B = ModelShape(hidden=4096, layers=32, vocab=126464, mlp=12288, heads=32, kv_heads=32)
-DREAM_7B = ModelShape(hidden=3584, layers=28, vocab=152064, mlp=18944, heads=28, kv_heads=4)
+# The public config.json fields that fix the shapes of GSAI-ML/LLaDA-8B-Instruct and
+# Dream-org/Dream-v0-Instruct-7B, so that a dry run downloads nothing for their hub names.
+LLADA_8B_CONFIG = {
+    "model_type": "llada", "d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32,
+    "mlp_hidden_size": 12288, "vocab_size": 126464, "embedding_size": 126464,
+    "weight_tying": False, "max_sequence_length": 4096, "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-05, "block_type": "llama", "layer_norm_type": "rms", "rope": True,
+    "include_bias": False, "include_qkv_bias": False,
+}  # fmt: skip
+DREAM_7B_CONFIG = {
+    "model_type": "Dream", "hidden_size": 3584, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+    "vocab_size": 152064, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu",
+    "use_sliding_window": False,
+}  # fmt: skip
 # Keys: the last part of a hub name, lower case (a local copy is read from its config.json).
-KNOWN_SHAPES = {
-    "llada-8b-instruct": LLADA_8B,
-    "llada-8b-base": LLADA_8B,
-    "llada-1.5": LLADA_8B,
-    "dream-v0-instruct-7b": DREAM_7B,
-    "dream-v0-base-7b": DREAM_7B,
+KNOWN_CONFIGS = {
+    "llada-8b-instruct": LLADA_8B_CONFIG,
+    "llada-8b-base": LLADA_8B_CONFIG,
+    "llada-1.5": LLADA_8B_CONFIG,
+    "dream-v0-instruct-7b": DREAM_7B_CONFIG,
+    "dream-v0-base-7b": DREAM_7B_CONFIG,
 }
-_UNGATED = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert"}
 
 
-def shape_from_config(c: dict) -> ModelShape:
-    """A shape from a config.json mapping (HF names, or LLaDA's OLMo names)."""
+def meta_module(config: dict):
+    """The model of a config.json mapping, built on the meta device (no memory, no weights):
+    LLaDA and Dream as daca runs them (``daca.models.native``), other model types as
+    transformers' masked LM of that type. LookupError if transformers has no class for it."""
+    import torch
 
-    def first(*keys, default=None):
-        for k in keys:
-            if c.get(k) is not None:
-                return c[k]
-        if default is None:
-            raise KeyError(f"config has none of {keys}")
-        return default
+    from daca.models.native import NATIVE
 
-    h = int(first("hidden_size", "d_model", "n_embd"))
-    heads = int(first("num_attention_heads", "n_heads"))
-    mlp = (
-        first("intermediate_size", "mlp_hidden_size", default=0)
-        or first("mlp_ratio", default=4) * h
-    )
+    kind = str(config.get("model_type", "")).lower()
+    with torch.device("meta"):
+        if kind in NATIVE:
+            cls, make_config, _ = NATIVE[kind]
+            return cls(make_config(config))
+        from transformers import AutoConfig, AutoModelForMaskedLM
+
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        try:
+            return AutoModelForMaskedLM.from_config(AutoConfig.for_model(kind, **fields))
+        except (ValueError, KeyError) as e:
+            raise LookupError(f"transformers has no masked LM of model_type {kind!r}") from e
+
+
+def shape_of_module(model) -> ModelShape:
+    """The shape of a transformers model: its parameters counted, the linear layers of its
+    layer stack (its longest ModuleList) listed."""
+    from torch import nn
+
+    stack = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
+    embedding = model.get_input_embeddings()
     return ModelShape(
-        hidden=h,
-        layers=int(first("num_hidden_layers", "n_layers")),
-        vocab=int(first("embedding_size", "vocab_size")),
-        mlp=int(mlp),
-        heads=heads,
-        kv_heads=int(first("num_key_value_heads", "n_kv_heads", default=heads)),
-        gated=str(c.get("model_type", "")).lower() not in _UNGATED,
-        tied=bool(first("tie_word_embeddings", "weight_tying", default=True)),
+        hidden=embedding.embedding_dim,
+        layers=len(stack),
+        vocab=embedding.num_embeddings,
+        mlp=int(model.config.intermediate_size),
+        parameters=sum(p.numel() for p in model.parameters()),
+        linears=tuple(
+            (m.in_features, m.out_features) for m in stack.modules() if isinstance(m, nn.Linear)
+        ),
     )
+
+
+def shape_from_config(config: dict) -> ModelShape:
+    """The shape of the model a config.json mapping describes, read off its meta-device module."""
+    return shape_of_module(meta_module(config))
 
 
 def model_shape(name_or_path: str | None) -> tuple[ModelShape, str]:
-    """(shape, where it came from) for a model name or folder, without loading weights."""
+    """(shape, where its config came from) for a model name or folder, without loading weights."""
+    config, source = _config_of(str(name_or_path or "tiny"))
+    return shape_from_config(config), source
+
+
+def _config_of(name: str) -> tuple[dict, str]:
+    """A folder's config.json, else the built-in copy of a known hub name's, else the hub
+    cache's; read as JSON (no remote code runs)."""
     from daca.models.loading import SHIPPED
 
-    name = str(name_or_path or "tiny")
     folder = SHIPPED.get(name, Path(name))
     if (folder / "config.json").is_file():
-        return shape_from_config(json.loads((folder / "config.json").read_text())), "config.json"
+        return json.loads((folder / "config.json").read_text()), "config.json"
     key = name.rstrip("/").rsplit("/", 1)[-1].lower()
-    if key in KNOWN_SHAPES:
-        return KNOWN_SHAPES[key], "built-in table"
+    if key in KNOWN_CONFIGS:
+        return KNOWN_CONFIGS[key], "built-in config.json"
     if name in SHIPPED:
         raise FileNotFoundError(f"the shipped model {name!r} is missing from {SHIPPED[name]}")
     try:
@@ -161,8 +160,8 @@ def model_shape(name_or_path: str | None) -> tuple[ModelShape, str]:
     except Exception:  # noqa: BLE001 - not a hub name, or no hub library: unknown below
         cached = None
     if isinstance(cached, str):
-        return shape_from_config(json.loads(Path(cached).read_text())), "hub cache"
+        return json.loads(Path(cached).read_text()), "hub cache"
     raise LookupError(
         f"unknown model {name!r}: not a folder with config.json, not in the hub cache, and not "
-        f"one of the built-in shapes ({', '.join(sorted(KNOWN_SHAPES))})"
+        f"one of the built-in configs ({', '.join(sorted(KNOWN_CONFIGS))})"
     )

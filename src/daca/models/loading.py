@@ -1,33 +1,39 @@
-"""``daca.models.load``: one loader for the shipped tiny model, local folders and hub models.
+"""``daca.models.load``: one loader for the shipped tiny models, local folders and hub models.
 
-A folder written by ``daca pretrain`` holds a ``daca.json`` naming its family and prompt width;
-other folders and hub names are recognised by their config's ``model_type``: LLaDA and Dream
-(remote code, ``trust_remote_code``) or any transformers-native ``AutoModelForMaskedLM``.
+A model is recognised by its ``config.json``'s ``model_type``:
+
+- LLaDA (``llada``: LLaDA-8B-Base/Instruct, LLaDA-1.5, and the shipped tiny models) and Dream
+  (``Dream``: Dream-v0-Base/Instruct-7B, DiffuCoder-7B) run on transformers' own Llama and Qwen2
+  classes (``daca.models.native``): the folder's ``modeling_*.py`` is never imported, whatever
+  ``trust_remote_code`` says;
+- anything else is an ``AutoModelForMaskedLM`` (remote code only with ``trust_remote_code=True``).
+
+Mask, end-of-sequence and pad ids come from the checkpoint's config and tokenizer; the known
+values of the public LLaDA and Dream checkpoints are a check (a warning), not the source.
+
+A folder written by daca (``daca.models.save_pretrained``, every training checkpoint) also holds
+a ``daca.json``: the prompt format (``compact`` for the tiny models' task strings, ``chat``
+otherwise), the generation settings the model was trained with, and for a LoRA checkpoint the
+name of its base model, which ``load`` loads first and puts the adapter on.
 
 The method core calls ``model(input_ids, attention_mask=...)`` with left-padded prompts and reads
-"logits at position i predict token i" (``daca.modeling``). Where a family breaks that contract
-the loader installs a *forward adapter* on the model itself, replacing ``model.forward`` in place:
-the model stays the same object (class, parameters, state-dict keys), so PEFT, accelerate,
-``save_pretrained`` and checkpoint resume see the family's own model. Adapters:
-
-- ``dream_forward``: Dream's logits are shifted right by one (``logits[:, i]`` predicts token
-  i + 1) and its forward wants a 4-D boolean mask; the adapter passes one and unshifts.
-- ``bucketed_forward``: for models whose logits change under left padding even with the
-  attention mask (older LLaDA copies ignore ``attention_mask``; models with absolute positions),
-  rows with the same padding run together without it, which equals running each row alone.
-  ``load`` detects this (``left_padding_changes_logits``) and warns.
+"logits at position i predict token i" (``daca.modeling``). A masked LM whose logits change
+under left padding even with the attention mask (it ignores the mask, or its positions are
+absolute) gets the ``bucketed_forward`` adapter, installed on the model itself, with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from daca.models.native import NATIVE
 
 TINY_PATH = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 # The shipped tiny models, by name: one per embedded task (the tiny model is too small to learn
@@ -36,22 +42,25 @@ SHIPPED = {"tiny": TINY_PATH, "tiny-countdown": TINY_PATH.parent / "tiny-countdo
 
 
 @dataclass(frozen=True)
-class Family:
-    """Token ids of a model family whose tokenizer does not say them (METHOD.md §5 for LLaDA)."""
+class KnownIds:
+    """Special-token ids of a public checkpoint family (METHOD.md §5 for LLaDA), used to check
+    what the checkpoint says, for checkpoints with the family's vocabulary size."""
 
-    name: str
+    vocab_size: int
     mask_id: int
-    eos_ids: tuple[int, ...]  # end-of-sequence tokens; the first one fills targets
+    eos_ids: tuple[int, ...]
     pad_id: int
 
 
-# Keys: the lower-cased ``model_type`` of the HF config.
-FAMILIES = {
+KNOWN_IDS = {
     # LLaDA: <|mdm_mask|>, <|endoftext|> and <|eot_id|>; the reference codes pad with EOS.
-    "llada": Family("llada", mask_id=126336, eos_ids=(126081, 126348), pad_id=126081),
+    "llada": KnownIds(126464, mask_id=126336, eos_ids=(126081, 126348), pad_id=126081),
     # Dream (Qwen2.5 tokenizer): <|mask|>, <|endoftext|> (also pad) and <|im_end|>.
-    "dream": Family("dream", mask_id=151666, eos_ids=(151643, 151645), pad_id=151643),
+    "dream": KnownIds(152064, mask_id=151666, eos_ids=(151643, 151645), pad_id=151643),
 }
+# Tokens that end a turn or the text, and the mask token, by family (looked up in the tokenizer).
+END_TOKENS = {"llada": ("<|eot_id|>",), "dream": ("<|im_end|>",)}
+MASK_TOKENS = {"llada": "<|mdm_mask|>", "dream": "<|mask|>"}
 
 
 @dataclass
@@ -64,12 +73,15 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     mask_id: int
-    family: str  # "tiny" | "llada" | "dream" | "mlm"
+    family: str  # "llada" | "dream" | "mlm"
     eos_ids: tuple[int, ...]
     pad_id: int
-    prompt_width: int | None = None  # tiny: prompts are left padded to exactly this width
+    prompt_width: int | None = None  # left pad prompts to exactly this width (absolute positions)
     path: str = ""
     ignores_attention_mask: bool = False  # left padding changed logits: forward runs by buckets
+    prompt_format: str = "chat"  # "compact": the task's character prompt (the tiny models)
+    name: str = ""  # what was asked for: "tiny", a hub name or a folder
+    meta: dict = field(default_factory=dict)  # the folder's daca.json
 
     def __iter__(self):
         return iter((self.model, self.tokenizer, self.mask_id))
@@ -89,17 +101,32 @@ def resolve(name_or_path: str | None) -> str:
 
 def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
     """``"tiny"`` means the shipped model of the task: Countdown has its own."""
-    if name_or_path in (None, "", "tiny") and task == "countdown":
+    if name_or_path in (None, "", "tiny") and task.startswith("countdown"):
         return "tiny-countdown"
     return name_or_path
 
 
-def family_of(model_type: str | None, meta: dict) -> str:
-    """The family name for a config's ``model_type`` and a folder's ``daca.json``."""
+def read_meta(path: str) -> dict:
+    """The ``daca.json`` of a folder written by daca ({} for others and hub names)."""
+    meta_file = Path(path) / "daca.json"
+    return json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+
+
+def hub_config(path: str) -> dict:
+    """The raw ``config.json`` of a folder or hub name, read as data (no code runs)."""
+    from transformers.utils import cached_file
+
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").is_file():
+            raise OSError(f"{path} has no config.json: it is not a model folder")
+        return json.loads((Path(path) / "config.json").read_text())
+    return json.loads(Path(cached_file(path, "config.json")).read_text())
+
+
+def family_of(model_type: str | None) -> str:
+    """``llada`` / ``dream`` for the families daca runs natively, else ``mlm``."""
     kind = str(model_type or "").lower()
-    if kind in FAMILIES:
-        return kind
-    return meta.get("family", "mlm")
+    return kind if kind in NATIVE else "mlm"
 
 
 def load(
@@ -107,32 +134,26 @@ def load(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
-    trust_remote_code: bool = True,
+    trust_remote_code: bool = False,
     quantization_config=None,
     check_padding: bool | None = None,
 ) -> LoadedModel:
-    """Load a masked diffusion LM, its tokenizer and mask id (``"tiny"``: the shipped model).
+    """Load a masked diffusion LM, its tokenizer and special ids (``"tiny"``: the shipped model).
 
     dtype: weights dtype (``torch.bfloat16`` on a GPU); quantization_config: a transformers
     quantisation config (``daca.models.quant.load_4bit`` passes 4-bit NF4), which places the
-    model on ``device`` while loading. check_padding: test whether left padding changes the
-    logits and, if so, install ``bucketed_forward`` with a warning (default: every model whose
-    prompts are not padded to a fixed width, i.e. all but the tiny family).
+    model on ``device`` while loading. trust_remote_code: run a folder's own modeling code, for
+    families daca does not know (never for LLaDA and Dream). check_padding: test whether left
+    padding changes the logits and, if so, install ``bucketed_forward`` with a warning (default:
+    other masked LMs whose prompts are not padded to a fixed width).
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
-
     path = resolve(name_or_path)
-    meta_file = Path(path) / "daca.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    family = family_of(getattr(config, "model_type", None), meta)
-    spec = FAMILIES.get(family)
-    if spec is not None:
-        # LLaDA's config under transformers 5 lacks `use_cache`, which its forward reads; a
-        # diffusion LM never caches keys and values, so set it off for the remote families.
-        config.use_cache = False
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    kwargs = {"config": config, "trust_remote_code": trust_remote_code}
+    meta = read_meta(path)
+    if (Path(path) / "adapter_config.json").is_file():
+        return _load_adapter(path, meta, device=device, dtype=dtype, trust=trust_remote_code)
+    hub = hub_config(path)
+    family = family_of(hub.get("model_type"))
+    kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
     if quantization_config is not None:
@@ -141,67 +162,209 @@ def load(
         if place.type == "cuda":
             place = place.index if place.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=quantization_config, device_map={"": place})
-    if spec is not None:
-        model_class = _remote_class(config, path) if trust_remote_code else AutoModel
+    if family in NATIVE:
+        model = _load_native(path, family, hub, kwargs)
     else:
-        model_class = AutoModelForMaskedLM
-    model = model_class.from_pretrained(path, **kwargs)
+        from transformers import AutoModelForMaskedLM
+
+        model = AutoModelForMaskedLM.from_pretrained(
+            path, trust_remote_code=trust_remote_code, **kwargs
+        )
     if quantization_config is None:
         model.to(device)
     model.eval()
-    if spec is not None:
-        mask_id, eos_ids, pad_id = spec.mask_id, spec.eos_ids, spec.pad_id
-    else:
-        mask_id = tokenizer.mask_token_id
-        if mask_id is None:
-            raise ValueError(
-                f"{path}: the tokenizer has no mask token; a masked diffusion LM needs one"
-            )
-        # BERT-style tokenizers have no EOS: their separator ends a sequence.
-        ends = (tokenizer.eos_token_id, getattr(tokenizer, "sep_token_id", None))
-        eos_ids = tuple(i for i in ends if i is not None)[:1]
-        if not eos_ids:
-            raise ValueError(f"{path}: the tokenizer has no end-of-sequence or separator token")
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    tokenizer = _load_tokenizer(
+        path, model.config, family, trust_remote_code and family not in NATIVE
+    )
+    mask_id, eos_ids, pad_id = special_ids(family, hub, tokenizer, path)
     bundle = LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        mask_id=int(mask_id),
+        mask_id=mask_id,
         family=family,
-        eos_ids=tuple(int(i) for i in eos_ids),
-        pad_id=int(pad_id),
+        eos_ids=eos_ids,
+        pad_id=pad_id,
         prompt_width=meta.get("prompt_width"),
         path=path,
+        prompt_format=meta.get("prompt_format") or _legacy_format(meta),
+        name=str(name_or_path or "tiny"),
+        meta=meta,
     )
     if check_padding is None:
-        check_padding = bundle.prompt_width is None
+        check_padding = family not in NATIVE and bundle.prompt_width is None
     return adapt(bundle, check_padding=check_padding)
 
 
-def _remote_class(config, path: str):
-    """The family's remote model class, its ``__init__`` made to end with ``post_init()``.
+def _legacy_format(meta: dict) -> str:
+    return "compact" if meta.get("family") == "tiny" else "chat"
 
-    transformers 5's ``from_pretrained`` reads attributes that ``post_init`` sets (the tied
-    weight keys); LLaDA's remote code predates that and never calls it.
+
+def _load_native(path: str, family: str, hub: dict, kwargs: dict):
+    """A LLaDA or Dream checkpoint into its transformers class; a weight the checkpoint lacks,
+    or one the class has no place for, is an error (not a silently random layer)."""
+    cls, make_config, key_mapping = NATIVE[family]
+    model, info = cls.from_pretrained(
+        path, config=make_config(hub), key_mapping=key_mapping, output_loading_info=True, **kwargs
+    )
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(info["missing_keys"]) - tied)
+    unexpected = sorted(info["unexpected_keys"])
+    if missing or unexpected or info.get("mismatched_keys"):
+        raise ValueError(
+            f"{path}: the weights do not fit a {family} model of this config.json: missing "
+            f"{missing[:4]}, unexpected {unexpected[:4]}, mismatched "
+            f"{sorted(info.get('mismatched_keys') or [])[:4]}"
+        )
+    return model
+
+
+def _load_tokenizer(path: str, config, family: str, trust_remote_code: bool):
+    """The checkpoint's tokenizer. Dream's hub folder names its own ``DreamTokenizer`` class (a
+    Qwen2 BPE tokenizer); without remote code it loads as transformers' Qwen2 tokenizer.
+    ``config``: the model's, so that AutoTokenizer does not parse a config.json it cannot
+    know."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            path, config=config, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, OSError) as e:
+        if family != "dream":
+            raise
+        from transformers import Qwen2TokenizerFast
+
+        try:
+            return Qwen2TokenizerFast.from_pretrained(path)
+        except Exception:  # noqa: BLE001 - report the first, more telling error
+            raise e from None
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    return tokenizer.get_vocab().get(token) if tokenizer is not None else None
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def special_ids(family: str, hub: dict, tokenizer, path: str = "") -> tuple[int, tuple, int]:
+    """(mask id, end-of-sequence ids, pad id) read off the checkpoint.
+
+    LLaDA and Dream: the mask is ``config.json``'s ``mask_token_id`` (else the tokenizer's mask
+    token); the end ids are the config's ``eos_token_id``, the tokenizer's EOS and the family's
+    end-of-turn token (the first fills targets); pad is the config's, else the tokenizer's,
+    else the first end id. Other masked LMs: the tokenizer's mask, EOS (a BERT-style
+    separator when there is none) and pad tokens.
     """
-    from transformers import AutoModel
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    if family not in NATIVE:
+        return _tokenizer_ids(tokenizer, path)
+    mask = hub.get("mask_token_id")
+    if mask is None:
+        mask = tokenizer.mask_token_id
+        if mask is None:
+            mask = _token_id(tokenizer, MASK_TOKENS[family])
+    if mask is None:
+        raise ValueError(f"{path}: neither config.json nor the tokenizer names a mask token")
+    ends = _as_ids(hub.get("eos_token_id")) + _as_ids(tokenizer.eos_token_id)
+    ends += [i for t in END_TOKENS[family] if (i := _token_id(tokenizer, t)) is not None]
+    eos_ids = tuple(dict.fromkeys(ends))  # unique, in order
+    if not eos_ids:
+        raise ValueError(f"{path}: neither config.json nor the tokenizer names an end token")
+    pad = hub.get("pad_token_id")
+    pad = tokenizer.pad_token_id if pad is None else pad
+    pad = eos_ids[0] if pad is None else int(pad)
+    _check_known(family, hub, int(mask), eos_ids, pad, path)
+    return int(mask), eos_ids, pad
 
-    ref = (getattr(config, "auto_map", None) or {}).get("AutoModel")
-    if ref is None:  # a family transformers knows natively
-        return AutoModel
-    cls = get_class_from_dynamic_module(ref, path)
-    init = cls.__init__
-    if not getattr(init, "_daca_post_init", False):
 
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            if not hasattr(self, "all_tied_weights_keys"):
-                self.post_init()
+def _tokenizer_ids(tok, path: str) -> tuple[int, tuple, int]:
+    mask = tok.mask_token_id
+    if mask is None:
+        raise ValueError(
+            f"{path}: the tokenizer has no mask token; a masked diffusion LM needs one"
+        )
+    # BERT-style tokenizers have no EOS: their separator ends a sequence.
+    ends = _as_ids(tok.eos_token_id) + _as_ids(getattr(tok, "sep_token_id", None))
+    if not ends:
+        raise ValueError(f"{path}: the tokenizer has no end-of-sequence or separator token")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else ends[0]
+    return int(mask), (ends[0],), int(pad)
 
-        __init__._daca_post_init = True
-        cls.__init__ = __init__
-    return cls
+
+def _check_known(family, hub, mask, eos_ids, pad, path) -> None:
+    known = KNOWN_IDS.get(family)
+    vocab = hub.get("embedding_size") or hub.get("vocab_size")
+    if known is None or vocab != known.vocab_size:
+        return
+    if mask != known.mask_id or pad != known.pad_id or not set(known.eos_ids) <= set(eos_ids):
+        warnings.warn(
+            f"{path}: special ids mask={mask}, eos={eos_ids}, pad={pad} differ from the public "
+            f"{family} checkpoints' (mask={known.mask_id}, eos={known.eos_ids}, "
+            f"pad={known.pad_id}); using the checkpoint's",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _load_adapter(path: str, meta: dict, *, device, dtype, trust) -> LoadedModel:
+    """A LoRA checkpoint: its base (``daca.json``'s ``base_model``, else PEFT's
+    ``base_model_name_or_path``) loaded through ``load``, then the adapter on it."""
+    from peft import PeftModel
+
+    base_name = meta.get("base_model")
+    if base_name is None:
+        base_name = json.loads((Path(path) / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
+    if not base_name:
+        raise ValueError(f"{path}: a LoRA adapter that names no base model")
+    bundle = load(base_name, device=device, dtype=dtype, trust_remote_code=trust)
+    bundle.model = PeftModel.from_pretrained(bundle.model, path).to(device).eval()
+    bundle.path, bundle.name = path, path
+    bundle.meta = {**bundle.meta, **meta}
+    bundle.prompt_format = meta.get("prompt_format", bundle.prompt_format)
+    return bundle
+
+
+def save_pretrained(bundle: LoadedModel, folder, model=None, *, state_dict=None) -> Path:
+    """Write a complete model folder that ``load``, ``daca eval`` and ``daca sample`` accept.
+
+    ``model`` (default ``bundle.model``): a native family writes its hub layout; a PEFT model
+    writes its adapter in PEFT's own format, and ``daca.json`` names the base to put it on.
+    Beside it: the tokenizer and ``daca.json`` (``write_meta``).
+    """
+    folder = Path(folder)
+    model = bundle.model if model is None else model
+    kwargs = {} if state_dict is None else {"state_dict": state_dict}
+    model.save_pretrained(folder, **kwargs)
+    if bundle.tokenizer is not None:
+        bundle.tokenizer.save_pretrained(folder)
+    write_meta(bundle, folder, model)
+    return folder
+
+
+def write_meta(bundle: LoadedModel, folder, model=None) -> None:
+    """The ``daca.json`` of a model folder: what ``load`` needs beyond the weights and the
+    tokenizer (family, prompt format and width, generation settings, a LoRA adapter's base)."""
+    model = bundle.model if model is None else model
+    meta = {"family": bundle.family, "prompt_format": bundle.prompt_format}
+    if "generation" in bundle.meta:
+        meta["generation"] = bundle.meta["generation"]
+    if bundle.prompt_width is not None:
+        meta["prompt_width"] = bundle.prompt_width
+    if hasattr(model, "peft_config"):
+        meta["base_model"] = _base_name(bundle)
+    (Path(folder) / "daca.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def _base_name(bundle: LoadedModel) -> str:
+    """How a LoRA checkpoint names its base: the shipped name, else the base's path or name."""
+    if bundle.meta.get("base_model"):
+        return bundle.meta["base_model"]
+    return bundle.name if bundle.name in SHIPPED else bundle.path or bundle.name
 
 
 # ----------------------------------------------------------------------------- forward adapters
@@ -249,26 +412,6 @@ def _output(logits: Tensor):
     from transformers.modeling_outputs import MaskedLMOutput
 
     return MaskedLMOutput(logits=logits)
-
-
-def dream_forward(inner, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs):
-    """Dream's forward as the core expects it: input_ids [B, T], mask [B, T] -> logits [B, T, V]
-    with logits at i predicting token i.
-
-    Dream's own forward takes a 4-D boolean mask (True = may attend) and returns logits shifted
-    right by one (its generation code undoes this with ``cat([logits[:, :1], logits[:, :-1]])``).
-    Padding is masked as a key only, so no query row is fully masked (no NaN), and positions
-    count real tokens, as in Dream's sampler. Position 0 keeps its own (meaningless) row.
-    """
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        real = attention_mask.bool()
-        kwargs.setdefault("position_ids", (real.long().cumsum(1) - 1).clamp_min(0))
-        T = real.shape[1]
-        attention_mask = real[:, None, None, :].expand(-1, 1, T, -1)
-    else:
-        attention_mask = None
-    logits = _logits(inner(input_ids, attention_mask=attention_mask, **kwargs))
-    return _output(torch.cat([logits[:, :1], logits[:, :-1]], dim=1))
 
 
 def bucketed_forward(inner, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs):
@@ -331,10 +474,8 @@ def _probe_ids(bundle: LoadedModel) -> list[int]:
 
 
 def adapt(bundle: LoadedModel, *, check_padding: bool = True) -> LoadedModel:
-    """Install the family's forward adapter and, if left padding changes the logits, the
-    length-bucketed forward (with a warning). Idempotent; returns ``bundle``."""
-    if bundle.family == "dream":
-        install_forward_adapter(bundle.model, dream_forward)
+    """If left padding changes the logits, install the length-bucketed forward (with a
+    warning). Idempotent; returns ``bundle``."""
     if check_padding and left_padding_changes_logits(
         bundle.model, _probe_ids(bundle), bundle.pad_id
     ):

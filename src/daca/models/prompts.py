@@ -1,6 +1,6 @@
 """Task rows to prompt token ids, and completion ids back to text, per model family.
 
-The tiny model reads the task's compact character prompt, left padded to its fixed width;
+The tiny models read the task's compact character prompt (``prompt_format`` "compact");
 chat models read the task's chat prompt through the tokenizer's chat template. A prompt longer
 than the model reads is an error naming it, or, when asked, cut to its last tokens.
 """
@@ -15,7 +15,7 @@ from daca.tasks import Task
 
 
 def prompt_texts(bundle: LoadedModel, task: Task, rows: list[dict]) -> list[str]:
-    if bundle.family == "tiny":
+    if bundle.prompt_format == "compact":
         if task.compact_prompt is None:
             raise ValueError(f"the tiny model has no prompt format for task {task.name!r}")
         return [task.compact_prompt(r) for r in rows]
@@ -49,7 +49,9 @@ def prompt_limit(bundle: LoadedModel, gen_length: int) -> int | None:
 def prompt_token_ids(bundle: LoadedModel, texts: list[str]) -> list[list[int]]:
     """Token ids of each prompt, unpadded (special tokens added for all but the tiny model)."""
     tok = bundle.tokenizer
-    return [tok(t, add_special_tokens=bundle.family != "tiny")["input_ids"] for t in texts]
+    return [
+        tok(t, add_special_tokens=bundle.prompt_format != "compact")["input_ids"] for t in texts
+    ]
 
 
 def fit_prompts(
@@ -125,11 +127,22 @@ def completion_mask(bundle: LoadedModel, completion_ids: Tensor) -> Tensor:
     return before == 0
 
 
+# Stands for a whole completion that holds an id the tokenizer cannot decode (Dream's embedding
+# has 152064 rows, its tokenizer 151667 tokens): visible in logs, and without tags, digits or
+# code, so that every task scores it 0.
+OUT_OF_VOCABULARY = "[invalid completion: a sampled token id lies outside the tokenizer]"
+
+
 def decode_completions(bundle: LoadedModel, completion_ids: Tensor) -> list[str]:
-    """Text of each completion, cut at the first end-of-sequence token."""
+    """Text of each completion, cut at the first end-of-sequence token; ``OUT_OF_VOCABULARY``
+    for one holding an id outside the tokenizer."""
     keep = completion_mask(bundle, completion_ids)
+    vocabulary = len(bundle.tokenizer)
     texts = []
     for ids, k in zip(completion_ids.tolist(), keep.tolist(), strict=True):
         ids = [i for i, kk in zip(ids, k, strict=True) if kk and i not in bundle.eos_ids]
+        if any(i < 0 or i >= vocabulary for i in ids):
+            texts.append(OUT_OF_VOCABULARY)
+            continue
         texts.append(bundle.tokenizer.decode(ids, skip_special_tokens=True))
     return texts

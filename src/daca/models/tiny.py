@@ -1,11 +1,12 @@
-"""The embedded tiny masked diffusion LMs, built from a config with no custom modeling code.
+"""The embedded tiny masked diffusion LMs: miniature LLaDAs.
 
-- ``tiny_config``/``build_model``: ModernBERT (bidirectional, rotary positions), so left padding
-  with an attention mask leaves the real tokens' logits unchanged. Tests use it for that.
-- ``tiny_bert_config``: BERT, about 4x faster on a CPU at this size; the shipped default model.
-  Its positions are absolute, so its prompts are always left padded to one fixed width
-  (``prompt_width``), in pretraining and in RL alike.
+- ``new_tiny``/``save_tiny``: a LLaDA-architecture model (Llama block, bidirectional, RoPE) of a
+  few hundred thousand parameters, saved in LLaDA's hub layout (``model_type`` "llada", LLaDA's
+  key names), so the shipped default loads and trains through exactly the code of LLaDA-8B
+  (``daca.models.native``). Its prompts are the tasks' compact character strings.
 - ``build_tokenizer``: a character-level tokenizer over the tasks' alphabet, built offline.
+- ``tiny_config``/``build_model``: a small ModernBERT, the stand-in for "any other masked LM"
+  (``AutoModelForMaskedLM``) in tests.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    BertConfig,
-    BertForMaskedLM,
     ModernBertConfig,
     ModernBertForMaskedLM,
     PreTrainedTokenizerFast,
 )
+
+from daca.models.native import _LLADA_DEFAULTS, LLaDAForDiffusionLM, llama_config
 
 ALPHABET = "0123456789+-*/()=,:"
 SPECIAL_TOKENS = ("[PAD]", "[MASK]", "[EOS]", "[UNK]")
@@ -71,41 +72,42 @@ def tiny_config(
     )
 
 
-def tiny_bert_config(
-    vocab_size: int,
+def build_model(config, seed: int = 0):
+    """A freshly initialised ModernBERT masked LM for ``config``; the seed fixes the weights
+    without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ModernBertForMaskedLM(config)
+    return model.eval()
+
+
+def tiny_llada_config(
+    tokenizer,
     *,
     hidden_size: int = 128,
     num_layers: int = 4,
     num_heads: int = 4,
     intermediate_size: int = 256,
-    max_positions: int = 64,
-    pad_token_id: int = 0,
-) -> BertConfig:
-    """Config of the shipped tiny BERT masked LM (no dropout: RL ratios need a deterministic
-    forward)."""
-    return BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_positions,
-        pad_token_id=pad_token_id,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        type_vocab_size=1,
-        attn_implementation="eager",
-    )
-
-
-def build_model(config, seed: int = 0):
-    """A freshly initialised masked LM for ``config``; the seed fixes the weights without
-    touching the global RNG."""
-    cls = BertForMaskedLM if isinstance(config, BertConfig) else ModernBertForMaskedLM
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(config)
-    return model.eval()
+    max_positions: int = 128,
+) -> dict:
+    """LLaDA ``config.json`` fields of a tiny model over ``tokenizer`` (ids from it)."""
+    return {
+        **_LLADA_DEFAULTS,
+        "d_model": hidden_size,
+        "n_layers": num_layers,
+        "n_heads": num_heads,
+        "n_kv_heads": num_heads,
+        "mlp_hidden_size": intermediate_size,
+        "vocab_size": len(tokenizer),
+        "embedding_size": len(tokenizer),
+        "max_sequence_length": max_positions,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "weight_tying": False,
+        "mask_token_id": tokenizer.mask_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def new_tiny(
@@ -114,32 +116,33 @@ def new_tiny(
     num_layers: int = 4,
     num_heads: int = 4,
     intermediate_size: int = 256,
-    prompt_width: int = 20,
-    gen_length: int = 16,
+    max_positions: int = 128,
     seed: int = 0,
 ):
-    """A fresh tiny BERT and its tokenizer, sized for prompts of ``prompt_width`` tokens and
-    completions of ``gen_length``."""
+    """A fresh tiny LLaDA and its tokenizer; the seed fixes the weights without touching the
+    global RNG. ``max_positions`` bounds prompt + completion (``prompt_limit``)."""
     tokenizer = build_tokenizer()
-    config = tiny_bert_config(
-        len(tokenizer),
+    hub = tiny_llada_config(
+        tokenizer,
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
         intermediate_size=intermediate_size,
-        max_positions=prompt_width + gen_length,
-        pad_token_id=tokenizer.pad_token_id,
+        max_positions=max_positions,
     )
-    return build_model(config, seed=seed), tokenizer
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LLaDAForDiffusionLM(llama_config(hub))
+    return model.eval(), tokenizer
 
 
-def save_tiny(folder, model, tokenizer, *, prompt_width: int = 20, **meta):
-    """Save in the shipped model's format: weights, tokenizer and the ``daca.json`` that
-    ``daca.models.load`` reads (family, prompt width, and whatever ``meta`` records)."""
+def save_tiny(folder, model, tokenizer, **meta):
+    """Save in the shipped models' format: LLaDA's hub layout, the tokenizer, and the
+    ``daca.json`` that ``daca.models.load`` reads (compact prompts, whatever ``meta`` records)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    info = {"family": "tiny", "prompt_width": prompt_width, **meta}
+    info = {"family": "llada", "prompt_format": "compact", **meta}
     (folder / "daca.json").write_text(json.dumps(info, indent=1) + "\n")
     return folder

@@ -20,6 +20,7 @@ RewardFunc = Callable[..., list[float]]
 _REGISTRY: dict[str, str | Callable[[], Task]] = {
     "sudoku": "daca.tasks.sudoku:make_task",
     "countdown": "daca.tasks.countdown:make_task",
+    "countdown-public": "daca.tasks.countdown:make_public_task",
     "gsm8k": "daca.tasks.gsm8k:make_task",
     "math500": "daca.tasks.math500:make_task",
     "mbpp": "daca.tasks.mbpp:make_task",
@@ -44,6 +45,8 @@ class Task:
         reward_funcs / reward_weights: training rewards, combined as a weighted sum.
         score: ``score(completions, **columns) -> list[float]`` evaluation metric per completion.
         columns: names of the row fields that reward functions and ``score`` receive.
+        executes_code: rewards run model-written code, so training and evaluation check
+            first that the sandbox works (``daca.sandbox.isolation_available``).
     """
 
     name: str
@@ -54,6 +57,7 @@ class Task:
     columns: tuple[str, ...]
     reward_weights: list[float] = field(default_factory=list)
     compact_prompt: Callable[[dict[str, Any]], str] | None = None
+    executes_code: bool = False  # its rewards run model-written code: needs daca.sandbox
 
     def __post_init__(self):
         if not self.reward_weights:

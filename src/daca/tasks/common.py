@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -11,14 +10,23 @@ SYSTEM_PROMPT = (
     "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
 )
 
-# DOTALL so that multi-line reasoning and answers match (the reference regexes lack it).
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN, _CLOSE = "<answer>", "</answer>"
 
 
 def answer_tag_span(text: str) -> str | None:
-    """The text inside the last ``<answer>…</answer>``, stripped, or None when absent."""
-    found = _ANSWER_RE.findall(text)
-    return found[-1].strip() if found else None
+    """The text inside the last ``<answer>…</answer>``, stripped, or None when absent.
+
+    The pairs are those of ``re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)`` (each
+    opening tag with the next closing tag, left to right), found in linear time: that regex
+    rescans to the end from every unclosed ``<answer>``, quadratic on a flood of them.
+    """
+    last, pos = None, 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        last, pos = (start + len(_OPEN), end), end + len(_CLOSE)
+    return None if last is None else text[last[0] : last[1]].strip()
 
 
 def answer_span(text: str) -> str:

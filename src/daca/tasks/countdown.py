@@ -31,6 +31,13 @@ from daca.tasks.common import (
 from daca.tasks.files import read_countdown_jsonl
 
 TEST_PER_MILLE = 100  # share of number sets that belong to the test split
+# Number and target ranges of the generator: "tiny", the embedded model's own task (numbers in
+# 1-20); "public", the public benchmark's distribution (d1's Countdown test set: 3 numbers in
+# 1-100, integer targets in 1-100), registered as the task "countdown-public".
+PRESETS = {
+    "tiny": {"max_number": 20, "max_target": 100},
+    "public": {"max_number": 100, "max_target": 100},
+}
 CORRECT_REWARD = 1.0
 WELL_FORMED_REWARD = 0.1
 
@@ -227,13 +234,24 @@ def load(
     )
 
 
-def make_task() -> Task:
+def make_task(preset: str = "tiny") -> Task:
+    """The Countdown task on the generator's ``preset`` ranges (a file given to ``load`` is
+    read as it is)."""
+    ranges = PRESETS[preset]
+
+    def load_preset(split="train", path=None, limit=None, seed=0, **gen_kwargs):
+        return load(split, path, limit, seed, **(gen_kwargs if path else ranges | gen_kwargs))
+
     return Task(
-        name="countdown",
-        load=load,
+        name="countdown" if preset == "tiny" else f"countdown-{preset}",
+        load=load_preset,
         chat_prompt=chat_prompt,
         reward_funcs=[countdown_reward],
         score=countdown_score,
         columns=("numbers", "target"),
         compact_prompt=compact_prompt,
     )
+
+
+def make_public_task() -> Task:
+    return make_task("public")

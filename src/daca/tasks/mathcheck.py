@@ -30,25 +30,35 @@ _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
 # decimals. Currency signs, percent signs and unit words around it are simply not matched.
 _NUMBER_RE = re.compile(r"(?:(?<![\w)\]}.])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<!\d)\.\d+")
 _LATEX_NOISE_RE = re.compile(r"\\left|\\right|\\!|\\,|\\;|\\:|\\ |\s|\$")
+_BRACE_RE = re.compile(r"[{}]")
+_TOKEN_RE = re.compile(r"[^\s$]+")
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` that closes the ``{`` at ``start``, or None when it is not closed."""
+    depth = 0
+    for brace in _BRACE_RE.finditer(text, start):
+        depth += 1 if brace.group(0) == "{" else -1
+        if depth == 0:
+            return brace.start()
+    return None
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces balanced.
 
-    ``\\boxed 5`` (no braces) gives ``5``; when the last box is not closed, None.
+    ``\\boxed 5`` (no braces) gives ``5``; when the last box is not closed, None. Linear time:
+    only the last braced box is balanced, and a bare token is read only after a space.
     """
     for match in reversed(list(_BOXED_RE.finditer(text))):
         start = match.end()
         if start < len(text) and text[start] == "{":
-            depth = 0
-            for i in range(start, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[i], 0)
-                if depth == 0:
-                    return text[start + 1 : i].strip()
-            return None  # the last box is cut off: no final answer
-        token = re.match(r"[^\s$]+", text[start:])
-        if token and match.group(0).endswith(" "):
-            return token.group(0)
+            end = _closing_brace(text, start)
+            return None if end is None else text[start + 1 : end].strip()
+        if match.group(0).endswith(" "):
+            token = _TOKEN_RE.match(text, start)
+            if token:
+                return token.group(0)
     return None
 
 
@@ -82,6 +92,8 @@ def _verify_here(gold: str, pred: str, seconds: int) -> bool:
     from math_verify import parse, verify
 
     if not gold.strip() or not pred.strip():
+        return False
+    if "**" in pred:  # Python's power, not LaTeX: math-verify reads "9**9**9**9" as 9
         return False
     if _normalize_latex(gold) == _normalize_latex(pred):
         return True

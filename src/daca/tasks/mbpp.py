@@ -1,20 +1,25 @@
 """MBPP (sanitized): write a Python function that passes the task's assert statements.
 
 Rows ``{"task_id", "prompt", "code", "test_imports", "test_list"}``. The program is the task's
-``test_imports`` followed by the completion's code (``formats.extract_code``); each assert of
-``test_list`` is a check run after it in the sandbox (``daca.sandbox``, never in this process).
-Training rewards: the fraction of asserts that pass (d1's code reward counts them one by one)
-+ 0.5 for a python block inside the answer tags. ``score``: 1.0 when all asserts pass.
+``test_imports`` followed by the completion's code (``formats.extract_code``); it runs in the
+sandbox (``daca.sandbox``, never in this process). Each assert of ``test_list`` is judged
+outside the program (``code_tests``): the sandbox returns the values of its calls and the
+comparison with the expected values happens here. Over the sanitized file's 1324 asserts only
+the 3 of task 126 (its function is named ``sum``, like the builtin) cannot be split; they run in
+the sandbox as statements, as before. Training rewards: the fraction of asserts that pass (d1's
+code reward counts them one by one) + 0.5 for a python block inside the answer tags. ``score``:
+1.0 when all asserts pass.
 Splits of the sanitized file by task id (as on the hub): prompt 1-10, test 11-510,
 validation 511-600, train 601-974.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from daca import sandbox
-from daca.tasks import Task
+from daca.tasks import Task, code_tests
 from daca.tasks.common import chat_user_message
 from daca.tasks.formats import (
     PYTHON_TAGS,
@@ -43,11 +48,20 @@ def program(completion: str, test_imports) -> str:
     return "\n".join([*test_imports, extract_code(completion)]) + "\n"
 
 
+@functools.lru_cache(maxsize=4096)
+def test_plan(test_list: tuple[str, ...], test_imports: tuple[str, ...]) -> code_tests.TestPlan:
+    """The sandbox checks of a task's asserts (cached: a GRPO group shares them)."""
+    return code_tests.plan(test_list, imports=test_imports)
+
+
 def run_tests(completions, test_list, test_imports, *, workers=2, **limits):
-    """One ``sandbox.ExecResult`` per completion (identical programs run once)."""
+    """Per completion: (its ``sandbox.ExecResult``, whether each assert passed)."""
     texts = completion_texts(completions)
     codes = [program(t, imports) for t, imports in zip(texts, test_imports, strict=True)]
-    return sandbox.run_many(codes, list(test_list), workers=workers, **{**SANDBOX_LIMITS, **limits})
+    plans = [test_plan(tuple(t), tuple(i)) for t, i in zip(test_list, test_imports, strict=True)]
+    checks = [p.checks for p in plans]
+    results = sandbox.run_many(codes, checks, workers=workers, **{**SANDBOX_LIMITS, **limits})
+    return [(r, code_tests.assert_results(p, r)) for r, p in zip(results, plans, strict=True)]
 
 
 def make_task(workers: int = 2, **limits) -> Task:
@@ -56,13 +70,16 @@ def make_task(workers: int = 2, **limits) -> Task:
     def pass_rate_reward(prompts, completions, test_list, test_imports, **columns):
         """Fraction of the task's asserts that pass, in [0, 1]."""
         results = run_tests(completions, test_list, test_imports, workers=workers, **limits)
-        return [r.pass_rate for r in results]
+        return [sum(passed) / len(passed) if passed else 0.0 for _, passed in results]
 
     def score(completions, test_list, test_imports, **columns) -> list[float]:
-        """1.0 when every assert passes, else 0.0."""
+        """1.0 when every assert passes (and the program ran to its end), else 0.0."""
         results = run_tests(completions, test_list, test_imports, workers=workers, **limits)
-        return [float(r.passed) for r in results]
+        return [float(r.passed and all(passed)) for r, passed in results]
 
+    # Whole batches to the reward worker (daca.rewards): each sandbox run has its own time
+    # limit, and a GRPO group runs in parallel with its identical programs run once.
+    pass_rate_reward.batched = score.batched = True
     return Task(
         name="mbpp",
         load=load,
@@ -70,6 +87,7 @@ def make_task(workers: int = 2, **limits) -> Task:
         reward_funcs=[pass_rate_reward, answer_block_reward(PYTHON_TAGS, "code_block_reward")],
         score=score,
         columns=("test_list", "test_imports"),
+        executes_code=True,
     )
 
 

@@ -1,0 +1,134 @@
+"""Cost of the reward guard: rewards per second of each task's reward functions called directly
+(unguarded, in this thread) against ``daca.rewards.score_rewards`` (daca's functions in the
+persistent worker process, killed at the deadline), on the seven tasks' real data.
+
+A batch is 8 prompts x 8 completions (4 for the code tasks), as in a GRPO step; completions
+alternate the reference answer (in the reasoning/answer format) and a wrong one. The two
+variants alternate within each repetition; medians are reported (the CPU may be shared). MBPP
+and HumanEval run only where the sandbox can execute (bubblewrap, or DACA_UNSAFE_EXEC=1).
+
+    python benchmarks/bench_reward_guard.py [--quick] [--data ../shared/data]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from daca.rewards import score_rewards
+from daca.tasks import get_task
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+PROMPTS, GENERATIONS, CODE_GENERATIONS = 8, 8, 4
+
+
+def _tagged(reasoning: str, answer: str) -> str:
+    return f"<reasoning>\n{reasoning}\n</reasoning>\n<answer>\n{answer}\n</answer>"
+
+
+def _fenced(code: str) -> str:
+    return _tagged("Here is the function.", f"```python\n{code}\n```")
+
+
+def _gsm8k(row, right):
+    number = row["answer"].rsplit("####", 1)[-1].strip()
+    return _tagged(row["answer"].split("####")[0], number if right else number + "1")
+
+
+def _math500(row, right):
+    return _tagged(row["solution"], f"\\boxed{{{row['answer'] if right else 'x+1'}}}")
+
+
+COMPLETIONS = {
+    "gsm8k": (_gsm8k, {"path": "gsm8k/test.jsonl"}),
+    "math500": (_math500, {"path": "math500/test.jsonl"}),
+    "sudoku": (lambda r, right: _tagged("", r["solution"] if right else r["puzzle"]), {}),
+    "countdown": (lambda r, right: _tagged("", r["solution"] if right else "1+1"), {}),
+    "json_schema": (
+        lambda r, right: _tagged("", "{}" if right else '{"a": [1, 2]}'),
+        {"path": "jsonschemabench/github_medium.jsonl"},
+    ),
+    "mbpp": (
+        lambda r, right: _fenced(r["code"] if right else "def f():\n    return 0"),
+        {"path": "mbpp/sanitized-mbpp.json"},
+    ),
+    "humaneval": (
+        lambda r, right: _fenced(r["prompt"] + (r["canonical_solution"] if right else "    pass")),
+        {},
+    ),
+}
+
+
+def batch(name: str, data: Path):
+    """(task, prompts, completions, columns) of one GRPO-sized batch, or a reason to skip."""
+    make, where = COMPLETIONS[name]
+    task = get_task(name)
+    kwargs = {"path": data / where["path"]} if "path" in where else {}
+    if kwargs and not kwargs["path"].exists():
+        return f"{kwargs['path']} absent"
+    rows = task.load("test", limit=PROMPTS, **kwargs)
+    g = CODE_GENERATIONS if name in ("mbpp", "humaneval") else GENERATIONS
+    rows = [r for r in rows for _ in range(g)]
+    completions = [make(r, i % 2 == 0) for i, r in enumerate(rows)]
+    columns = {c: [r.get(c) for r in rows] for c in task.columns}
+    return task, ["p"] * len(rows), completions, columns
+
+
+def direct(task, prompts, completions, columns) -> None:
+    for func in task.reward_funcs:
+        func(prompts=prompts, completions=completions, **columns)
+
+
+def guarded(task, prompts, completions, columns) -> None:
+    score_rewards(
+        task.reward_funcs, task.reward_weights, prompts, completions, columns, timeout=600.0
+    )
+
+
+def rate(fn, args, n: int) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return n / (time.perf_counter() - start)
+
+
+def bench(name: str, data: Path, reps: int) -> float | None:
+    got = batch(name, data)
+    if isinstance(got, str):
+        print(f"{name:12s} skipped: {got}")
+        return None
+    n = len(got[2])
+    try:
+        direct(*got)  # imports, compiled schemas, the worker: outside the timing
+        guarded(*got)
+    except Exception as e:  # noqa: BLE001 - e.g. no sandbox here: say so, go on
+        print(f"{name:12s} skipped: {type(e).__name__}: {str(e)[:150]}")
+        return None
+    before, after = [], []
+    for _ in range(reps):
+        before.append(rate(direct, got, n))
+        after.append(rate(guarded, got, n))
+    b, a = statistics.median(before), statistics.median(after)
+    print(f"{name:12s} {n:4d}  direct {b:9.1f}/s   guarded {a:9.1f}/s   ratio {a / b:5.2f}")
+    return a / b
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
+    parser.add_argument("--tasks", nargs="*", default=list(COMPLETIONS), help="tasks to run")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    reps = 3 if args.quick else 7
+    print(f"rewards per second, one batch per call, median of {reps} (completions in the batch)")
+    ratios = [r for name in args.tasks if (r := bench(name, args.data, reps)) is not None]
+    if ratios:
+        print(f"geometric mean ratio {statistics.geometric_mean(ratios):.2f} over {len(ratios)}")
+
+
+if __name__ == "__main__":
+    main()

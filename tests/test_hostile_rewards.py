@@ -1,0 +1,268 @@
+"""Hostile completions: rewards return a score within the time limit, and the next call works.
+
+Each case goes through ``score_rewards`` / ``score_completions`` the way the trainer calls them,
+with a limit of LIMIT seconds; a case passes when it returns within LIMIT + 2 s.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daca.rewards import RewardError, score_completions, score_rewards
+from daca.tasks import get_task
+from daca.tasks.common import answer_tag_span
+from daca.tasks.formats import fenced_blocks, is_soft_format, is_strict_format
+from daca.tasks.mathcheck import last_boxed, math_equal
+
+pytest.importorskip("jsonschema")
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+LIMIT = 1.0
+SLACK = 2.0
+ORG_PATTERN = "^(?:[A-Za-z0-9]+[-]?)+[A-Za-z0-9]$"  # Github_medium o10310: nested quantifiers
+ORG_VALUE = "my-awesome-organization-name-for-the-project-"  # ~1.9x slower per character
+
+
+def _timed(func, *args, **kwargs):
+    start = time.monotonic()
+    value = func(*args, **kwargs)
+    return value, time.monotonic() - start
+
+
+def _rewards(task, completions, columns, **kwargs):
+    """Total rewards, failures, seconds of the task's reward functions on ``completions``."""
+    prompts = ["p"] * len(completions)
+    (_, total, errors), seconds = _timed(
+        score_rewards,
+        task.reward_funcs,
+        task.reward_weights,
+        prompts,
+        completions,
+        columns,
+        timeout=LIMIT,
+        **kwargs,
+    )
+    return total.tolist(), errors, seconds
+
+
+def _github_medium(schema_id: str) -> dict:
+    path = DATA / "jsonschemabench" / "github_medium.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} absent (the shared data folder is not mounted)")
+    for line in path.open():
+        row = json.loads(line)
+        if row["id"] == schema_id:
+            return row["schema"]
+    raise AssertionError(f"{schema_id} not in {path}")
+
+
+# ---------------------------------------------------------------- regexes on data (ReDoS)
+def test_python_re_really_backtracks_on_the_org_pattern():
+    """The hazard is real: each character more costs Python's re about twice the time
+    (0.1 s here for 21 characters, 4 s for 25)."""
+    _, seconds = _timed(re.search, ORG_PATTERN, "a" * 20 + "-")
+    assert seconds > 0.02
+
+
+def test_an_inline_redos_schema_scores_within_the_limit_and_the_next_call_works():
+    task = get_task("json_schema")
+    schema = {"type": "object", "properties": {"orgName": {"type": "string"}}}
+    schema["properties"]["orgName"]["pattern"] = ORG_PATTERN
+    completions = [json.dumps({"orgName": ORG_VALUE}), json.dumps({"orgName": "my-org"})]
+    total, errors, seconds = _rewards(task, completions, {"schema": [schema] * 2})
+    assert total == [0.0, 1.0] and seconds < LIMIT + SLACK
+
+
+def test_a_pattern_re2_cannot_compile_is_stopped_at_the_deadline():
+    """A lookahead keeps the pattern on Python's re: the worker is killed at the deadline,
+    the example scores 0 (logged with its index) and a fresh worker scores the next one."""
+    task = get_task("json_schema")
+    schema = {"type": "string", "pattern": "^(?=a)(a+)+$"}
+    completions = [json.dumps("a" * 40 + "!"), '"aaa"', '"b"']
+    total, errors, seconds = _rewards(task, completions, {"schema": [schema] * 3})
+    assert total == [0.0, 1.0, 0.0] and errors == 1
+    assert LIMIT <= seconds < LIMIT + SLACK
+    total, errors, seconds = _rewards(task, ['"aa"'], {"schema": [schema]})
+    assert total == [1.0] and errors == 0 and seconds < SLACK
+    with pytest.raises(RewardError, match=r"schema_valid_reward was stopped on example 0"):
+        _rewards(task, completions[:1], {"schema": [schema]}, on_timeout="raise")
+
+
+@pytest.mark.parametrize(
+    ("schema_id", "completion"),
+    [
+        ("o10310", {"orgName": ORG_VALUE}),
+        ("o42552", {"_schema": "pbj:a:b:c:d:1-0-0", "name": "x", "link_url": "a" * 40 + "!"}),
+    ],
+)
+def test_github_medium_redos_schemas(schema_id, completion):
+    task = get_task("json_schema")
+    schema = _github_medium(schema_id)
+    total, errors, seconds = _rewards(task, [json.dumps(completion)], {"schema": [schema]})
+    assert total == [0.0] and seconds < LIMIT + SLACK
+    valid = {"_schema": "pbj:a:b:c:d:1-0-0", "name": "x"} if schema_id == "o42552" else None
+    if valid is not None:
+        assert _rewards(task, [json.dumps(valid)], {"schema": [schema]})[0] == [1.0]
+
+
+# ---------------------------------------------------------------- parsers (crashes)
+@pytest.mark.parametrize("depth", [991, 100_000])
+def test_deeply_nested_json_scores_zero_in_training_and_evaluation(depth):
+    task = get_task("json_schema")
+    completions = ["[" * depth, "[" * depth + "]" * depth, "[[1]]"]
+    columns = {"schema": [{"type": "array"}] * 3}
+    total, errors, seconds = _rewards(task, completions, columns)  # on_error="raise"
+    assert total[0] == 0.0 and total[2] == 1.0 and errors == 0 and seconds < LIMIT + SLACK
+    scores = score_completions(task.score, completions, columns, timeout=LIMIT)
+    assert scores[0] == 0.0 and scores[2] == 1.0
+
+
+def _recursion(prompts, completions, **columns):
+    if "deep" in completions:
+        raise RecursionError("maximum recursion depth exceeded")
+    return [1.0] * len(completions)
+
+
+def _bug(prompts, completions, **columns):
+    return [1.0 / (c != "bad") for c in completions]
+
+
+@pytest.mark.parametrize("guard", ["process", "thread"])
+def test_parser_errors_score_zero_but_bugs_still_raise(guard):
+    _recursion.reward_guard = _bug.reward_guard = guard
+    per, total, errors = score_rewards(
+        [_recursion], [1.0], ["p"] * 2, ["deep", "ok"], {}, timeout=5
+    )
+    assert total.tolist() == [0.0, 1.0] and errors == 1
+    with pytest.raises(RewardError, match=r"_bug failed on example 1 .*ZeroDivisionError"):
+        score_rewards([_bug], [1.0], ["p"] * 2, ["ok", "bad"], {}, timeout=5)
+
+
+def _dies(prompts, completions, **columns):
+    if "die" in completions:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [1.0] * len(completions)
+
+
+_dies.reward_guard = "process"
+
+
+def test_a_worker_that_dies_costs_only_its_example():
+    per, total, errors = score_rewards([_dies], [1.0], ["p"] * 3, ["a", "die", "b"], {}, timeout=5)
+    assert total.tolist() == [1.0, 0.0, 1.0] and errors == 1
+
+
+# ---------------------------------------------------------------- floods (quadratic regexes)
+FLOODS = {
+    "answer": "<answer>" * 40_000,  # 320 KB
+    "fences": "```\n" * 80_000,
+    "boxed": "\\boxed" * 53_000,
+    "tags": "<reasoning>\n" * 13_000 + "\n</reasoning>\n<answer>\n" * 7_000,
+}
+_COLUMNS = {
+    "gsm8k": {"question": "q", "answer": "#### 5"},
+    "math500": {"problem": "p", "answer": "5"},
+    "sudoku": {"puzzle": "1234341221434321", "solution": "1234341221434321"},
+    "countdown": {"numbers": [1, 2, 3], "target": 6},
+    "json_schema": {"schema": {"type": "array"}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_COLUMNS))
+def test_a_320_kb_flood_scores_within_two_seconds(name):
+    task = get_task(name)
+    completions = [*FLOODS.values(), "<answer>\n5\n</answer>"]
+    columns = {c: [_COLUMNS[name][c]] * len(completions) for c in task.columns}
+    score_rewards(
+        task.reward_funcs,
+        task.reward_weights,
+        ["p"],
+        completions[-1:],
+        {c: v[-1:] for c, v in columns.items()},
+    )  # the worker has imported the task's modules: time the scoring only
+    total, errors, seconds = _rewards(task, completions, columns)
+    assert errors == 0 and seconds < 2.0, (name, seconds)
+
+
+# The regexes the linear functions replace: same answers on every small text.
+_ALPHABET = ["<answer>", "</answer>", "<reasoning>", "</reasoning>", "\n", " ", "x", "```", "py"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_ALPHABET), max_size=12).map("".join))
+def test_linear_rewrites_agree_with_the_regexes(text):
+    strict = r"<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\s*"
+    soft = r"\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>"
+    fence = r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```"
+    answers = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    assert is_strict_format(text) == bool(re.fullmatch(strict, text, re.DOTALL))
+    assert is_soft_format(text) == bool(re.match(soft, text, re.DOTALL))
+    assert fenced_blocks(text) == [b for _, b in re.findall(fence, text, re.DOTALL)]
+    assert answer_tag_span(text) == (answers[-1].strip() if answers else None)
+
+
+def test_last_boxed_still_reads_boxes():
+    assert last_boxed("so \\boxed{\\frac{1}{2}} and \\boxed{x^{2}}") == "x^{2}"
+    assert last_boxed("\\boxed 5 then \\boxed\\alpha") == "5"
+    assert last_boxed("\\boxed{1} \\boxed{2") is None
+
+
+# ---------------------------------------------------------------- answers that are not LaTeX
+def test_a_python_power_is_not_a_latex_answer():
+    assert not math_equal("9", "9**9**9**9") and not math_equal("9", "9**9")
+    assert math_equal("9", "9") and math_equal("512", "2^9")
+    task = get_task("math500")
+    completions = ["\\boxed{9**9**9**9}", "\\boxed{9}"]
+    columns = {"problem": ["p"] * 2, "answer": ["9"] * 2}
+    assert score_completions(task.score, completions, columns, timeout=LIMIT) == [0.0, 1.0]
+
+
+# ---------------------------------------------------------------- exit
+def test_an_abandoned_batch_does_not_keep_the_process_alive(tmp_path):
+    """A batch still scoring when the program ends: the worker is killed at exit."""
+    script = tmp_path / "abandon.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, threading, time
+            from daca import rewards
+            from daca.tasks import get_task
+
+            task = get_task("json_schema")
+            schema = {"type": "string", "pattern": "^(?=a)(a+)+$"}
+            args = ([task.reward_funcs[0]], [1.0], ["p"], [json.dumps("a" * 60 + "!")])
+            kwargs = {"timeout": None}
+            threading.Thread(
+                target=rewards.score_rewards, args=(*args, {"schema": [schema]}), kwargs=kwargs,
+                daemon=True,
+            ).start()
+            while rewards.reward_guard()._proc is None:
+                time.sleep(0.05)
+            print(rewards.reward_guard()._proc.pid, flush=True)
+            time.sleep(1.0)
+            """
+        )
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 15
+    pid = int(done.stdout.split()[0])
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"worker {pid} still alive")

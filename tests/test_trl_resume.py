@@ -1,0 +1,87 @@
+"""Resuming a ``DACAGRPOTrainer`` run from a checkpoint replays the uninterrupted run's
+rollouts: the sampler's and the masks' generators are seeded from the step, and TRL restores
+the weights, the optimizer, the data order and the global RNG (docs/trl.md, "Resuming")."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from daca.integrations.trl import DACAGRPOConfig, DACAGRPOTrainer  # noqa: E402
+from daca.tasks.sudoku import generate_puzzles  # noqa: E402
+
+G, PROMPTS, L = 3, 2, 16
+
+
+def ones_reward(prompts, completions, **kwargs):
+    return [c.count("1") / L for c in completions]
+
+
+def run(model_dir, out, max_steps, resume=False) -> list[tuple]:
+    """Train to ``max_steps`` (checkpoints every 2 steps); per rollout, its completions and the
+    states of the sampler's and the masks' generators after it."""
+    rows = generate_puzzles(4 * PROMPTS, seed=1)
+    data = datasets.Dataset.from_list([{"prompt": f"{r['puzzle']}=", **r} for r in rows])
+    args = DACAGRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="steps",
+        save_steps=2,
+        per_device_train_batch_size=G * PROMPTS,
+        num_generations=G,
+        num_iterations=2,  # a rollout every 2 steps: checkpoints fall on rollouts
+        beta=0.04,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",  # the split run's schedule must not depend on max_steps
+        p_mask_prompt=0.3,
+        gen_length=L,
+        steps=8,
+        block_length=8,
+        temperature=1.0,
+        dps_stride=2,
+        max_steps=max_steps,
+        logging_steps=1,
+        seed=3,
+    )
+    trainer = DACAGRPOTrainer(
+        str(model_dir), reward_funcs=ones_reward, args=args, train_dataset=data
+    )
+    rollouts = []
+    generate = trainer._generate_single_turn
+
+    def recorded(*a, **kw):
+        out = generate(*a, **kw)
+        gens = (trainer._sample_gen.get_state(), trainer._view_gen.get_state())
+        rollouts.append((trainer.last_rollout.completion_ids.clone(), *gens))
+        return out
+
+    trainer._generate_single_turn = recorded
+    trainer.train(resume_from_checkpoint=resume or None)
+    return rollouts
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """(the straight run's rollouts, the resumed run's), resumed at step 2 of 4."""
+    tmp = tmp_path_factory.mktemp("trl-resume")
+    straight = run(tiny_model_dir, tmp / "straight", max_steps=4)
+    run(tiny_model_dir, tmp / "split", max_steps=2)
+    resumed = run(tiny_model_dir, tmp / "split", max_steps=4, resume=True)
+    assert len(straight) == 2 and len(resumed) == 1  # rollouts at steps 0 and 2
+    return straight, resumed
+
+
+def test_resumed_run_draws_the_uninterrupted_runs_random_numbers(runs):
+    straight, resumed = runs
+    for a, b in zip(straight[1][1:], resumed[0][1:], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(straight[0][1], straight[1][1])  # another step, other draws
+
+
+def test_resumed_run_replays_the_uninterrupted_rollouts(runs):
+    straight, resumed = runs
+    assert torch.equal(straight[1][0], resumed[0][0])

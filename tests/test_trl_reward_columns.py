@@ -1,0 +1,70 @@
+"""Under DACAGRPOTrainer every dataset column, ``prompt`` included, reaches reward functions."""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from daca.integrations.trl import (  # noqa: E402
+    DACAGRPOConfig,
+    DACAGRPOTrainer,
+    with_prompt_column,
+)
+from daca.tasks.sudoku import generate_puzzles  # noqa: E402
+
+G, PROMPTS, L = 2, 2, 16
+
+
+def test_reward_functions_receive_every_column_including_prompt(tiny_model_dir, tmp_path):
+    seen = []
+
+    def recording_reward(prompts, completions, prompt, entry_point, **columns):
+        seen.append({"prompts": prompts, "prompt": prompt, "entry_point": entry_point, **columns})
+        return [0.0] * len(completions)
+
+    rows = generate_puzzles(PROMPTS, seed=1)
+    data = datasets.Dataset.from_list(
+        [{"prompt": f"{r['puzzle']}=", "entry_point": f"f{i}", **r} for i, r in enumerate(rows)]
+    )
+    args = DACAGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=G * PROMPTS,
+        num_generations=G,
+        gen_length=L,
+        steps=8,
+        block_length=8,
+        max_steps=1,
+        seed=3,
+    )
+    trainer = DACAGRPOTrainer(
+        str(tiny_model_dir), reward_funcs=recording_reward, args=args, train_dataset=data
+    )
+    assert trainer.reward_func_names == ["recording_reward"]  # logging keeps the name
+    trainer.current_gradient_accumulation_steps = 1
+    batch = [data[i] for i in range(PROMPTS) for _ in range(G)]
+    trainer._generate_and_score_completions(batch)
+    (call,) = seen
+    assert call["prompt"] == [r["prompt"] for r in batch] == call["prompts"]
+    assert call["entry_point"] == ["f0", "f0", "f1", "f1"]
+    assert call["solution"] == [r["solution"] for r in batch]  # the other columns still arrive
+
+
+def test_prompt_column_wrapper_keeps_async_and_explicit_prompt():
+    async def async_reward(prompts, completions, prompt, **kw):
+        return [float(p == q) for p, q in zip(prompts, prompt, strict=True)]
+
+    wrapped = with_prompt_column(async_reward)
+    assert asyncio.run(wrapped(prompts=["a", "b"], completions=["", ""])) == [1.0, 1.0]
+
+    def reward(prompts, completions, prompt, **kw):
+        return prompt
+
+    # A caller that passes ``prompt`` itself keeps its value.
+    assert with_prompt_column(reward)(prompts=["a"], completions=[""], prompt=["x"]) == ["x"]
