@@ -87,14 +87,18 @@ def test_ranks_draw_different_prompts(ranks, run):
 
 @pytest.mark.parametrize("run", range(len(RUNS)), ids=["wd1-dps", "diffu_grpo-sml-gas2"])
 def test_dps_statistics_use_the_global_batch(ranks, run):
+    """One normalisation per optimizer step, over all its micro-batches on every process
+    (METHOD.md §2 [decision])."""
     r0, r1 = ranks[run]
     calls = len(r0["normalized_input"])
-    assert calls == len(r0["prompts"]) > 0  # one normalisation per micro-batch rollout
+    gas = len(r0["prompts"]) // calls  # micro-batches per step
+    assert calls * gas == len(r0["prompts"]) > 0 and gas == (2 if run else 1)
     for i in range(calls):
         every0, every1 = r0["normalized_input"][i], r1["normalized_input"][i]
-        local0, local1 = r0["local_deltas"][i], r1["local_deltas"][i]
-        assert local0.shape[0] == PER_DEVICE
-        assert every0.shape == (WORLD * PER_DEVICE, local0.shape[1])
+        local0 = torch.cat(r0["local_deltas"][i * gas : (i + 1) * gas])
+        local1 = torch.cat(r1["local_deltas"][i * gas : (i + 1) * gas])
+        assert local0.shape[0] == gas * PER_DEVICE
+        assert every0.shape == (WORLD * gas * PER_DEVICE, local0.shape[1])
         assert torch.equal(every0, every1)
         assert torch.equal(every0, torch.cat([local0, local1]))
         assert not torch.equal(local0, local1)

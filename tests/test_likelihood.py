@@ -538,17 +538,18 @@ def test_given_strata_prompt_masks_and_elbo_masks_reproduce_the_drawn_ones(mlm):
 
 
 def test_given_masks_replace_the_trl_side_doors(mlm):
-    """The core calls that replace ``stratified_logp_from_strata`` and the pre-masked prompt of
-    ``integrations/trl.py`` give the same numbers."""
-    trl = pytest.importorskip("daca.integrations.trl")
+    """The core calls that replaced the strata-as-ELBO-masks side door (unit nodes and weights)
+    and the pre-masked prompt of ``integrations/trl.py`` give the same numbers."""
     q, o = batch(B=2, P=5, L=8)
     am = torch.ones_like(q)
     am[1, :2] = 0
     k_of = strata_assignment(2, 8, 4, "random", generator=gen(8))
     hide = (torch.rand(q.shape, generator=gen(9)) < 0.5) & am.bool()
     with torch.no_grad():
-        side = trl.stratified_logp_from_strata(
-            mlm, q, o, k_of, mask_id=MID, num_strata=4, attention_mask=am
+        views = k_of[None] == torch.arange(4)[:, None, None]
+        ones = torch.ones(4, dtype=torch.float64)
+        side = elbo_token_terms_from_masks(
+            mlm, q, o, views, ones, ones, mask_id=MID, attention_mask=am
         )
         core = stratified_logp(mlm, q, o, mask_id=MID, num_strata=4, strata=k_of, attention_mask=am)
         assert torch.equal(core, side)

@@ -14,9 +14,8 @@ from daca.integrations.trl import (  # noqa: E402
     DACAGRPOTrainer,
     left_pad,
     mask_views,
-    stratified_logp_from_strata,
 )
-from daca.likelihood import mean_field_logp, strata_assignment, stratified_logp  # noqa: E402
+from daca.likelihood import mean_field_logp  # noqa: E402
 from daca.models.loading import (  # noqa: E402
     LoadedModel,
     load,
@@ -215,28 +214,6 @@ def test_training_runs_both_inner_iterations(tiny_model_dir, tmp_path, monkeypat
     torch.testing.assert_close(saved.model(ids).logits, trainer.model(ids).logits)
 
 
-def test_sml_from_strata_matches_the_core(tiny_random_model):
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(4, 32, (3, 5), generator=g)
-    completion = torch.randint(4, 32, (3, 8), generator=g)
-    att = torch.ones_like(prompt)
-    att[0, :2] = 0
-    strata = strata_assignment(3, 8, 4, "random", generator=torch.Generator().manual_seed(9))
-    mine = stratified_logp_from_strata(
-        tiny_random_model, prompt, completion, strata, mask_id=1, num_strata=4, attention_mask=att
-    )
-    core = stratified_logp(
-        tiny_random_model,
-        prompt,
-        completion,
-        mask_id=1,
-        num_strata=4,
-        generator=torch.Generator().manual_seed(9),
-        attention_mask=att,
-    )
-    assert torch.equal(mine, core)
-
-
 def test_mask_views_shapes_and_padding():
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     g = torch.Generator().manual_seed(0)
@@ -267,12 +244,14 @@ def test_left_pad():
     "bad, match",
     [
         ({"remasking": "sideways"}, "remasking"),
-        ({"gen_length": 16, "block_length": 5}, "divisible"),
+        ({"gen_length": 16, "block_length": 5}, "not a multiple of block_length=5"),
         ({"gen_length": 16, "block_length": 8, "steps": 3}, "divisible"),
         ({"dps_norm_axis": "row"}, "dps_norm_axis"),
         ({"p_mask_prompt": 1.5}, "p_mask_prompt"),
         ({"sml_enabled": True, "sml_num_strata": 17, "gen_length": 16}, "sml_num_strata"),
         ({"mask_truncated_completions": True}, "mask_truncated_completions"),
+        ({"dps_stride": 8, "steps": 8}, "dps_stride=8 >= steps=8"),
+        ({"steps_per_generation": 2}, "DPS normalises over the trajectories of one optimizer"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, bad, match):

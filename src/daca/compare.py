@@ -21,15 +21,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from daca.config import ConfigError, load_config
+from daca.config import VARIANT_SWITCHES, ConfigError, load_config
+from daca.methods import METHODS, paper_methods
 from daca.tasks.formats import read_records
 
-VARIANTS = {
-    "base": ["dps.enabled=false", "sml.enabled=false"],
-    "dps": ["dps.enabled=true", "sml.enabled=false"],
-    "sml": ["dps.enabled=false", "sml.enabled=true"],
-    "daca": ["dps.enabled=true", "sml.enabled=true"],
-}
+# The grid's variants: the config's ``variant`` switch (config.VARIANT_SWITCHES).
+VARIANTS = {name: [f"variant={name}"] for name in VARIANT_SWITCHES}
 # The paper's two DPS ablations, on wd1 + DPS (METHOD.md §2).
 ABLATIONS = {
     "last_step": {
@@ -42,11 +39,10 @@ ABLATIONS = {
     },
 }
 # Per-method settings of the tiny runs (μ for the ratio methods, as the reference codes do
-# for short tasks, scaled down).
+# for short tasks, scaled down; daca.methods).
 METHOD_OVERRIDES = {
-    "wd1": ["method=wd1", "num_iterations=1"],
-    "diffu_grpo": ["method=diffu_grpo", "num_iterations=2"],
-    "gdpo": ["method=gdpo", "num_iterations=2"],
+    name: [f"method={name}", f"num_iterations={m.compare_iterations}"]
+    for name, m in METHODS.items()
 }
 
 
@@ -303,7 +299,11 @@ def _plots(results, rows, out: Path, task: str) -> None:
 def add_arguments(p) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every cell")
     p.add_argument("--task", default="sudoku")
-    p.add_argument("--methods", default="diffu_grpo,wd1,gdpo")
+    p.add_argument(
+        "--methods",
+        default=",".join(paper_methods()),
+        help=f"base methods, from {', '.join(METHODS)} (default: the paper's three)",
+    )
     p.add_argument(
         "--variants",
         default="base,dps,sml,daca",

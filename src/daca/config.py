@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 import yaml
 
+from daca.methods import METHODS, MethodName
+from daca.shipped import tiny_for_task
+
 
 def _f(default, help: str, **kw):
     """A dataclass field carrying its documentation (shown by ``daca train --help-config``)."""
@@ -93,7 +96,7 @@ class TrainConfig:
     task: str = _f("sudoku", "task name (daca.tasks.get_task)")
     data_file: str | None = _f(None, "training data file (else the task generates or downloads)")
     eval_file: str | None = _f(None, "held-out data file (else the task's test split)")
-    method: Literal["diffu_grpo", "wd1", "gdpo"] = _f("wd1", "base method (METHOD.md §4)")
+    method: MethodName = _f("wd1", "base method (daca.methods.METHODS; METHOD.md §4, §6)")
     variant: Literal["base", "dps", "sml", "daca"] | None = _f(
         None, "the ablation grid's switch: sets dps.enabled and sml.enabled together"
     )
@@ -104,9 +107,13 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     num_generations: int = _f(6, "G: completions per prompt")
     per_device_train_batch_size: int = _f(96, "completions per process per step (multiple of G)")
-    num_iterations: int = _f(1, "μ: policy updates per rollout (Diffu-GRPO, GDPO; wd1 uses 1)")
+    num_iterations: int = _f(
+        1, "μ: policy updates per rollout (the ratio methods; wd1, with no old policy, uses 1)"
+    )
     beta: float | None = _f(
-        None, "KL weight against the reference; None: the method's (Diffu-GRPO 0.04, else 0)"
+        None,
+        "KL weight against the reference; None: the method's (Diffu-GRPO 0.04, coupled-GRPO "
+        "0.01, else 0)",
     )
     epsilon: float = _f(0.5, "PPO clip ε")
     p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
@@ -293,7 +300,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     return cfg
 
 
-METHOD_BETA = {"diffu_grpo": 0.04, "wd1": 0.0, "gdpo": 0.0}  # the reference codes' β
+# The ablation grid's variants: (dps.enabled, sml.enabled).
 VARIANT_SWITCHES = {
     "base": (False, False),
     "dps": (True, False),
@@ -305,11 +312,9 @@ VARIANT_SWITCHES = {
 def resolved(cfg: TrainConfig) -> TrainConfig:
     """Fill the fields left to the task, the method or the variant (``model``, ``beta``,
     DPS/SML switches)."""
-    from daca.models.loading import tiny_for_task
-
     cfg = dataclasses.replace(cfg, model=tiny_for_task(cfg.model, cfg.task))
     if cfg.beta is None:
-        cfg = dataclasses.replace(cfg, beta=METHOD_BETA[cfg.method])
+        cfg = dataclasses.replace(cfg, beta=METHODS[cfg.method].beta)
     if cfg.variant is not None:
         dps_on, sml_on = VARIANT_SWITCHES[cfg.variant]
         cfg = dataclasses.replace(
@@ -320,43 +325,73 @@ def resolved(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def validate(cfg: TrainConfig, world_size: int = 1) -> None:
-    """Contradictions between fields, each named with the fix."""
-    g = cfg.generation
+def _dotted(section: str, name: str) -> str:
+    return f"{section}.{name}"
 
-    def need(cond: bool, msg: str):
-        if not cond:
-            raise ConfigError(msg)
 
-    need(g.gen_length > 0, f"generation.gen_length must be positive, got {g.gen_length}")
-    need(g.block_length > 0, f"generation.block_length must be positive, got {g.block_length}")
-    need(
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def check_sampling(
+    g: GenerationConfig,
+    dps: DPSConfig,
+    sml: SMLConfig,
+    key: typing.Callable[[str, str], str] = _dotted,
+) -> None:
+    """Contradictions within the sampler, DPS and SML sections, each named with the fix;
+    ``key(section, field)`` spells a field's name (``generation.gen_length`` here, the flat
+    ``gen_length`` / ``dps_stride`` of ``DACAGRPOConfig``)."""
+    length, block, steps = (
+        key("generation", "gen_length"),
+        key("generation", "block_length"),
+        key("generation", "steps"),
+    )
+    _need(g.gen_length > 0, f"{length} must be positive, got {g.gen_length}")
+    _need(g.block_length > 0, f"{block} must be positive, got {g.block_length}")
+    _need(
         g.gen_length % g.block_length == 0,
-        f"generation.gen_length={g.gen_length} is not a multiple of "
-        f"generation.block_length={g.block_length}",
+        f"{length}={g.gen_length} is not a multiple of {block}={g.block_length}",
     )
     blocks = g.gen_length // g.block_length
-    need(
+    _need(
         g.steps > 0 and g.steps % blocks == 0,
-        f"generation.steps={g.steps} is not divisible by the number of blocks "
+        f"{steps}={g.steps} is not divisible by the number of blocks "
         f"{blocks} (gen_length / block_length)",
     )
-    need(g.temperature >= 0, f"generation.temperature must be >= 0, got {g.temperature}")
-    tau = g.parallel_threshold
-    need(
-        tau is None or 0 <= tau <= 1,
-        f"generation.parallel_threshold must lie in [0, 1] (or null), got {tau}",
-    )
-    need(
+    temperature = key("generation", "temperature")
+    _need(g.temperature >= 0, f"{temperature} must be >= 0, got {g.temperature}")
+    tau, threshold = g.parallel_threshold, key("generation", "parallel_threshold")
+    _need(tau is None or 0 <= tau <= 1, f"{threshold} must lie in [0, 1] (or null), got {tau}")
+    _need(
         tau is None or g.remasking == "low_confidence",
-        "generation.parallel_threshold compares probabilities: set "
-        "generation.remasking=low_confidence",
+        f"{threshold} compares probabilities: set {key('generation', 'remasking')}=low_confidence",
     )
-    need(
-        tau is None or not cfg.dps.enabled or cfg.dps.scope == "all",
-        "generation.parallel_threshold needs dps.scope=all (with parallel decoding the block "
+    _need(
+        tau is None or not dps.enabled or dps.scope == "all",
+        f"{threshold} needs {key('dps', 'scope')}=all (with parallel decoding the block "
         "of the next recorded step is unknown when a step is recorded)",
     )
+    stride = key("dps", "stride")
+    _need(dps.stride >= 1, f"{stride} must be >= 1, got {dps.stride}")
+    _need(
+        not dps.enabled or dps.stride < g.steps,
+        f"{stride}={dps.stride} >= {steps}={g.steps} records a single step (no "
+        "interval, so δ would be 0): use a stride below the number of steps",
+    )
+    strata = key("sml", "num_strata")
+    _need(sml.num_strata >= 1, f"{strata} must be >= 1, got {sml.num_strata}")
+    _need(
+        sml.num_strata <= g.gen_length,
+        f"{strata}={sml.num_strata} exceeds {length}={g.gen_length}",
+    )
+
+
+def validate(cfg: TrainConfig, world_size: int = 1) -> None:
+    """Contradictions between fields, each named with the fix."""
+    need = _need
+    check_sampling(cfg.generation, cfg.dps, cfg.sml)
     need(cfg.num_generations >= 2, f"num_generations={cfg.num_generations}: a group needs >= 2")
     need(
         cfg.per_device_train_batch_size > 0
@@ -372,17 +407,6 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.max_steps >= 1, f"max_steps must be >= 1, got {cfg.max_steps}")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(cfg.max_grad_norm > 0, f"max_grad_norm must be positive, got {cfg.max_grad_norm}")
-    need(cfg.dps.stride >= 1, f"dps.stride must be >= 1, got {cfg.dps.stride}")
-    need(
-        not cfg.dps.enabled or cfg.dps.stride < g.steps,
-        f"dps.stride={cfg.dps.stride} >= generation.steps={g.steps} records a single step (no "
-        "interval, so δ would be 0): use a stride below the number of steps",
-    )
-    need(cfg.sml.num_strata >= 1, f"sml.num_strata must be >= 1, got {cfg.sml.num_strata}")
-    need(
-        cfg.sml.num_strata <= g.gen_length,
-        f"sml.num_strata={cfg.sml.num_strata} exceeds generation.gen_length={g.gen_length}",
-    )
     need(cfg.eval_size >= 1 and cfg.eval_batch_size >= 1, "eval_size and eval_batch_size >= 1")
     need(cfg.save_every >= 1 and cfg.save_total_limit >= 1, "save_every, save_total_limit >= 1")
     need(cfg.eval_every >= 0, "eval_every must be >= 0")

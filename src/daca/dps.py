@@ -10,12 +10,15 @@ The sampler's trace (``daca.sampler.Rollout``) holds, for recorded steps r_j (j 
 - for ``last_step="measured"``: ``last_logp`` / ``last_mask`` [B, L] (the state x_{T-1}).
 
 Three pure functions turn it into multipliers (1 + lam * norm_delta_{J(n)}):
-``progress_deltas`` -> ``normalize`` -> ``token_multipliers``; ``rollout_multipliers`` chains them.
+``progress_deltas`` -> ``normalize`` -> ``token_multipliers``; ``rollout_multipliers`` chains them
+for one rollout, ``step_multipliers`` for the rollouts of an optimizer step over all processes
+(what both training front-ends call).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -225,6 +228,90 @@ def token_multipliers(
     return multipliers
 
 
+def step_multipliers(
+    rollouts: list,
+    *,
+    lam: float,
+    last_step: str = "extrapolate",
+    norm_axis: str = "per_step",
+    clamp_min: float | None = None,
+    eps: float = 1e-6,
+    gather: Callable[[Tensor], Tensor] | None = None,
+    rank: int = 0,
+) -> tuple[list[Tensor], list[Tensor], dict[str, float]]:
+    """DPS of one optimizer step, shared by ``daca train`` and the TRL front-end (METHOD.md §2).
+
+    ``rollouts``: this process's ``Rollout``-likes of the step (every micro-batch of gradient
+    accumulation), each recorded with the same ``dps_stride`` and step budget. The deltas of all
+    of them, and of every process (``gather``: a Tensor of this process's rows -> the rows of
+    all processes in rank order, each process giving as many; None = one process), are
+    z-scored together, so the statistics are those of the optimizer step's trajectories
+    **[decision]**; ``rank`` says where this process's rows lie in the gathered tensor.
+    Each row's interval count comes from its ``steps_taken`` (rows may take different numbers
+    of steps; the intervals a row has not reached are NaN and left out of every statistic).
+
+    Returns, per rollout, the multipliers [B, L] and the normalised deltas [B, R], and the
+    step's metrics, each over all processes' rows: ``dps/delta_mean``, ``dps/delta_std``
+    (population) of the deltas, ``dps/multiplier_min``, ``_max``, ``_std`` (population) of the
+    multipliers of every completion position. ``gather`` is called twice (deltas, multipliers),
+    on every process alike.
+    """
+    if not rollouts:
+        raise ValueError("no rollout to compute DPS multipliers from")
+    steps = rollouts[0].recorded_steps
+    if any(getattr(r, "progress_logp", None) is None for r in rollouts):
+        raise ValueError("a rollout carries no DPS trace; generate it with dps_stride=s")
+    if any(not torch.equal(r.recorded_steps.cpu(), steps.cpu()) for r in rollouts):
+        raise ValueError("the rollouts of one step must share their recorded steps")
+    gather = gather or (lambda t: t)
+    deltas = [
+        progress_deltas(
+            r.progress_logp,
+            r.progress_mask,
+            last_step,
+            last_logp=getattr(r, "last_logp", None),
+            last_mask=getattr(r, "last_mask", None),
+            recorded_steps=r.recorded_steps,
+            num_steps=_steps_of(r),
+        )
+        for r in rollouts
+    ]
+    local = torch.cat(deltas)
+    everything = gather(local.contiguous())
+    start = rank * local.shape[0]
+    normed = normalize(everything, norm_axis, eps)[start : start + local.shape[0]]
+    sizes = [d.shape[0] for d in deltas]
+    normed_each = list(normed.split(sizes))
+    multipliers = [
+        token_multipliers(n, r.birth_step, r.recorded_steps, lam, clamp_min)
+        for n, r in zip(normed_each, rollouts, strict=True)
+    ]
+    every = gather(torch.cat([m.flatten() for m in multipliers]).contiguous())
+    metrics = {
+        "dps/delta_mean": _nan_mean(everything),
+        "dps/delta_std": _nan_std(everything),
+        "dps/multiplier_min": _nan_extreme(every, torch.amin),
+        "dps/multiplier_max": _nan_extreme(every, torch.amax),
+        "dps/multiplier_std": _nan_std(every),
+    }
+    return multipliers, normed_each, metrics
+
+
+def _nan_mean(x: Tensor) -> float:
+    return x.double().nanmean().item()
+
+
+def _nan_std(x: Tensor) -> float:
+    """Population standard deviation of the non-NaN entries (0 for fewer than two)."""
+    values = x.double()[~x.isnan()]
+    return values.std(correction=0).item() if values.numel() > 1 else 0.0
+
+
+def _nan_extreme(x: Tensor, extreme) -> float:
+    values = x[~x.isnan()]
+    return extreme(values).item() if values.numel() else math.nan
+
+
 def _steps_of(rollout):
     """T_b per row when the rollout has them (``steps_taken``), else the budget T."""
     taken = getattr(rollout, "steps_taken", None)
@@ -243,8 +330,8 @@ def rollout_multipliers(
     """``token_multipliers`` of a ``Rollout``-like object recorded with ``dps_stride`` [B, L].
 
     Reads ``progress_logp``, ``progress_mask``, ``recorded_steps``, ``birth_step`` and, for
-    ``last_step="measured"``, ``last_logp``, ``last_mask``, ``num_steps``. For multi-process
-    training call the three functions yourself and gather the deltas before ``normalize``.
+    ``last_step="measured"``, ``last_logp``, ``last_mask``, ``num_steps``. For the rollouts of a
+    training step over several processes use ``step_multipliers``.
     """
     if getattr(rollout, "progress_logp", None) is None:
         raise ValueError("the rollout carries no DPS trace; generate it with dps_stride=s")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from daca.config import TrainConfig
+from daca.methods import METHODS
 
 PROMPT_TOKENS = 256  # assumed prompt length (d1 truncates prompts at 200 tokens)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + double-quantised absmax per 64-block
@@ -98,11 +99,11 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
         per_forward, recompute = b * T * layers * act * h, b * T * per_layer
     else:
         per_forward, recompute = b * T * layers * per_layer, 0
-    # Each estimator stacks its views in one forward (GDPO: one per quadrature node; SML: K):
-    # the largest stacked forward's logits exist at a time; the log-softmax rows of the scored
-    # positions are kept in fp32 with their gradient (8 bytes per entry).
-    nodes = int(cfg.quadrature.split("-")[1]) if cfg.method == "gdpo" else 1
-    scored = nodes / 2 if cfg.method == "gdpo" else 1  # GDPO masks t·L at node t; Σ t = n / 2
+    # Each estimator stacks its views in one forward (daca.methods: GDPO one per quadrature
+    # node, coupled-GRPO 1 + 2λ; SML: K): the largest stacked forward's logits exist at a time;
+    # the log-softmax rows of the scored positions are kept in fp32 with their gradient (8 bytes
+    # per entry).
+    nodes, scored = METHODS[cfg.method].forward_views(cfg)
     K = cfg.sml.num_strata if cfg.sml.enabled else 0
     est.update[f"activations ({nodes} forward{'s' * (nodes > 1)})"] = (
         nodes * per_forward + recompute

@@ -1,10 +1,12 @@
-"""The GRPO trainer for masked diffusion LMs: three base methods with the DACA plug-in.
+"""The GRPO trainer for masked diffusion LMs: the base methods of ``daca.methods`` with the
+DACA plug-in.
 
 One step = one rollout of ``per_device_train_batch_size × gradient_accumulation_steps``
-completions per process, scored and turned into group advantages (and DPS multipliers),
-then ``num_iterations`` (μ) optimizer updates on it, each accumulating gradients over the
-micro-batches. Every random draw comes from a generator seeded by (seed, step, rank, ...), so
-a run resumed from a checkpoint continues exactly. METHOD.md §4 is the law.
+completions per process, scored and turned into group advantages, then DPS multipliers over
+all of the step's trajectories (every micro-batch, every process), then ``num_iterations`` (μ)
+optimizer updates on it, each accumulating gradients over the micro-batches. Every random draw
+comes from a generator seeded by (seed, step, rank, ...), so a run resumed from a checkpoint
+continues exactly. METHOD.md §4 is the law.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from daca import checkpoint, dps, likelihood, objectives, sandbox
 from daca.checkpoint import latest_checkpoint
 from daca.config import TrainConfig, resolved, to_dict, validate
 from daca.evaluation import rollout
+from daca.methods import METHODS
 from daca.models.loading import LoadedModel, load, save_pretrained
 from daca.models.prompts import (
     completion_mask,
@@ -34,6 +37,7 @@ from daca.models.prompts import (
     prompt_token_ids,
 )
 from daca.rewards import score_rewards
+from daca.sampler import Rollout
 from daca.tasks import get_task
 
 # How long a process whose peer failed waits for the launcher to end it before it reports the
@@ -76,9 +80,11 @@ class RolloutBatch:
     completion_mask: Tensor
     rewards: Tensor
     advantages: Tensor
-    multipliers: Tensor | None
+    multipliers: Tensor | None = None
     old_logp: list[Tensor] = field(default_factory=list)  # one per inner iteration
     ref_logp: list[Tensor] = field(default_factory=list)
+    rollout: Rollout | None = None  # the sampler's output, until DPS has read its trace
+    prompts: list[str] = field(default_factory=list)
 
 
 class Trainer:
@@ -91,6 +97,7 @@ class Trainer:
         hf_logging.disable_progress_bar()
         config = resolved(config)
         self.cfg = config
+        self.method = METHODS[config.method]
         cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
         # One scheduler step per optimizer step (accelerate's default steps it once per
         # process); accumulate() skips the all-reduce (and DeepSpeed's step) between micro-batches.
@@ -118,7 +125,7 @@ class Trainer:
         self.prompt_limit = prompt_limit(self.bundle, config.generation.gen_length)
         self._check_prompts()
         self.ref_model = None
-        if config.beta > 0 and config.method != "wd1" and not config.lora.enabled:
+        if config.beta > 0 and self.method.ratio and not config.lora.enabled:
             self.ref_model = copy.deepcopy(self.bundle.model).eval().requires_grad_(False)
 
         params = [p for p in self.bundle.model.parameters() if p.requires_grad]
@@ -293,32 +300,23 @@ class Trainer:
 
     # ----------------------------------------------------------------- estimators
     def _token_logp(self, model, batch: RolloutBatch, seed: int) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs for the ratio (or wd1's likelihood) and wd1's SML term."""
-        cfg, device = self.cfg, batch.prompt_ids.device
-        common = dict(mask_id=self.bundle.mask_id, attention_mask=batch.prompt_mask)
-        args = (model, batch.prompt_ids, batch.completion_ids)
-        if cfg.method == "gdpo":
-            base = likelihood.elbo_token_terms(
-                *args,
-                quadrature=cfg.quadrature,
-                generator=_gen(device, seed, 1),
-                completion_mask=batch.completion_mask,  # mask among the real tokens only
-                **common,
-            )
-        else:
-            base = likelihood.mean_field_logp(
-                *args, p_mask_prompt=cfg.p_mask_prompt, generator=_gen(device, seed, 1), **common
-            )
-        if not cfg.sml.enabled or (cfg.method == "wd1" and cfg.sml.eta == 0):
-            return base, None  # wd1 with eta 0 would discard the K stratified forwards
+        """Per-token log-probs for the ratio (or wd1's likelihood) and the SML regulariser's."""
+        cfg, device, mask_id = self.cfg, batch.prompt_ids.device, self.bundle.mask_id
+        base = self.method.estimator(model, batch, cfg, _gen(device, seed, 1), mask_id)
+        regulariser = self.method.sml == "regulariser"
+        if not cfg.sml.enabled or (regulariser and cfg.sml.eta == 0):
+            return base, None  # a regulariser of weight 0 would discard the K forwards
         sml = likelihood.stratified_logp(
-            *args,
+            model,
+            batch.prompt_ids,
+            batch.completion_ids,
+            mask_id=mask_id,
+            attention_mask=batch.prompt_mask,
             num_strata=cfg.sml.num_strata,
             strata=cfg.sml.strata,
             generator=_gen(device, seed, 2),
-            **common,
         )
-        if cfg.method == "wd1":
+        if regulariser:
             return base, sml
         return objectives.sml_enriched(base, sml), None
 
@@ -379,7 +377,9 @@ class Trainer:
         t2 = time.perf_counter()
         device = self.acc.device
         rewards = rewards.to(device)
-        adv = objectives.group_advantages(rewards, G, scale=cfg.scale_rewards)
+        adv = objectives.group_advantages(
+            rewards, G, scale=cfg.scale_rewards, baseline=self.method.baseline
+        )
         stats = {
             "reward": rewards.mean().item(),
             "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -391,15 +391,6 @@ class Trainer:
         }
         for f, func in enumerate(self.task.reward_funcs):
             stats[f"reward/{getattr(func, '__name__', f)}"] = per_func[:, f].mean().item()
-        multipliers, normed = None, None
-        if cfg.dps.enabled:
-            multipliers, normed, dstats = self._dps_multipliers(out)
-            stats.update(dstats)
-        every = cfg.save_rollouts_every
-        if micro == 0 and every and (step + 1) % every == 0 and self.acc.is_main_process:
-            self._record_rollout(
-                step + 1, prompts[:G], out, rewards[:G], adv[:G], multipliers, normed
-            )
         batch = RolloutBatch(
             prompt_ids=out.sequences[:, : out.prompt_length],
             prompt_mask=prompt_mask,
@@ -407,41 +398,35 @@ class Trainer:
             completion_mask=completion_mask(self.bundle, out.completion_ids),
             rewards=rewards,
             advantages=adv,
-            multipliers=multipliers,
+            rollout=out,
+            prompts=prompts,
         )
         return batch, stats
 
-    def _dps_multipliers(self, out) -> tuple[Tensor, Tensor, dict]:
-        """δ from the trace, z-scored with the global batch's statistics (METHOD.md §2)."""
+    def _dps_step(self, batches: list[RolloutBatch]) -> tuple[list[Tensor | None], dict]:
+        """DPS multipliers of every micro-batch, δ z-scored over all the step's trajectories
+        (every micro-batch, every process; METHOD.md §2 [decision]): (normalised δ, metrics)."""
+        if not self.cfg.dps.enabled:
+            return [None] * len(batches), {}
         cfg = self.cfg.dps
-        deltas = dps.progress_deltas(
-            out.progress_logp,
-            out.progress_mask,
-            cfg.last_step,
-            last_logp=out.last_logp,
-            last_mask=out.last_mask,
-            recorded_steps=out.recorded_steps,
-            num_steps=out.num_steps,
+        multipliers, normed, stats = dps.step_multipliers(
+            [b.rollout for b in batches],
+            lam=cfg.lam,
+            last_step=cfg.last_step,
+            norm_axis=cfg.norm_axis,
+            clamp_min=cfg.clamp_min,
+            gather=self.acc.gather if self.world > 1 else None,
+            rank=self.rank,
         )
-        local = deltas.shape[0]
-        everything = self.acc.gather(deltas.contiguous()) if self.world > 1 else deltas
-        normed = dps.normalize(everything, axis=cfg.norm_axis)
-        normed = normed[self.rank * local : (self.rank + 1) * local]
-        mult = dps.token_multipliers(
-            normed, out.birth_step, out.recorded_steps, cfg.lam, clamp_min=cfg.clamp_min
-        )
-        stats = {
-            "dps/delta_mean": everything.mean().item(),
-            "dps/delta_std": everything.std().item() if everything.numel() > 1 else 0.0,
-            "dps/multiplier_min": mult.min().item(),
-            "dps/multiplier_max": mult.max().item(),
-            "dps/multiplier_std": mult.std().item(),
-        }
-        return mult, normed, stats
+        for batch, mult in zip(batches, multipliers, strict=True):
+            batch.multipliers = mult
+        return normed, stats
 
-    def _record_rollout(self, step, prompts, out, rewards, adv, multipliers, normed) -> None:
-        """The first group of this step's rollout, for ``daca inspect``."""
-        G = len(prompts)
+    def _record_rollout(self, step: int, batch: RolloutBatch, normed: Tensor | None) -> None:
+        """The first group of this step's first micro-batch, for ``daca inspect``."""
+        G = self.cfg.num_generations
+        out, prompts, multipliers = batch.rollout, batch.prompts[:G], batch.multipliers
+        rewards, adv = batch.rewards[:G], batch.advantages[:G]
         tok = self.bundle.tokenizer
         record = {
             "step": step,
@@ -488,49 +473,33 @@ class Trainer:
         )
 
     def _loss(self, batch: RolloutBatch, it: int, seed: int) -> tuple[Tensor, dict]:
-        cfg = self.cfg
         logp, sml = self._token_logp(self.model, batch, seed)
         self._logp_finite = torch.isfinite(logp).all()  # read only to diagnose a bad loss
-        mask = batch.completion_mask
-        if cfg.method == "wd1":
-            return objectives.wd1_loss(
-                logp,
-                batch.advantages,
-                mask,
-                num_generations=cfg.num_generations,
-                psi=cfg.psi,
-                token_multipliers=batch.multipliers,
-                sml_logp=sml,
-                eta=cfg.sml.eta if cfg.sml.enabled else 0.0,
-            )
-        old = batch.old_logp[it] if batch.old_logp else logp.detach()
-        ref = batch.ref_logp[it] if batch.ref_logp else None
-        if cfg.method == "diffu_grpo":
-            return objectives.diffu_grpo_loss(
-                logp,
-                old,
-                batch.advantages,
-                mask,
-                epsilon=cfg.epsilon,
-                beta=cfg.beta,
-                ref_logp=ref,
-                token_multipliers=batch.multipliers,
-            )
-        return objectives.gdpo_loss(
+        return self.method.loss(
+            self.cfg,
             logp,
-            old,
-            batch.advantages,
-            mask,
-            epsilon=cfg.epsilon,
-            beta=cfg.beta,
-            ref_token_terms=ref,
+            old_logp=batch.old_logp[it] if batch.old_logp else logp.detach(),
+            ref_logp=batch.ref_logp[it] if batch.ref_logp else None,
+            advantages=batch.advantages,
+            completion_mask=batch.completion_mask,
             token_multipliers=batch.multipliers,
+            sml_logp=sml,
         )
+
+    @torch.no_grad()
+    def _old_and_reference(self, batches: list[RolloutBatch], seeds: list[list[int]]) -> None:
+        """Old and reference log-probs once per rollout, with the μ iterations' mask seeds."""
+        for batch, batch_seeds in zip(batches, seeds, strict=True):
+            if len(batch_seeds) > 1:
+                batch.old_logp = [self._token_logp(self.model, batch, s)[0] for s in batch_seeds]
+            if self.cfg.beta > 0:
+                with self._reference() as ref:
+                    batch.ref_logp = [self._token_logp(ref, batch, s)[0] for s in batch_seeds]
 
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
         gas = cfg.gradient_accumulation_steps
-        mu = 1 if cfg.method == "wd1" else cfg.num_iterations  # wd1 has no old policy
+        mu = cfg.num_iterations if self.method.ratio else 1  # no ratio: no old policy to reuse
         # accelerate keeps this in a process-wide singleton: another Trainer may have changed it.
         self.acc.gradient_accumulation_steps = gas
         batches, stats_list = [], []
@@ -538,21 +507,18 @@ class Trainer:
             batch, stats = self._make_rollout(step, micro)
             batches.append(batch)
             stats_list.append(stats)
+        normed, dps_stats = self._dps_step(batches)
+        every = cfg.save_rollouts_every
+        if every and (step + 1) % every == 0 and self.acc.is_main_process:
+            self._record_rollout(step + 1, batches[0], normed[0])
+        for batch in batches:
+            batch.rollout = None  # the trace is read: free it before the updates
         t0 = time.perf_counter()
         seeds = [
             [_seed(cfg.seed, step, m, it, self.rank, 11) for it in range(mu)] for m in range(gas)
         ]
-        if cfg.method != "wd1":
-            # Old and reference log-probs once per rollout, with the μ iterations' mask seeds.
-            with torch.no_grad():
-                for m, batch in enumerate(batches):
-                    if mu > 1:
-                        batch.old_logp = [
-                            self._token_logp(self.model, batch, s)[0] for s in seeds[m]
-                        ]
-                    if cfg.beta > 0:
-                        with self._reference() as ref:
-                            batch.ref_logp = [self._token_logp(ref, batch, s)[0] for s in seeds[m]]
+        if self.method.ratio:
+            self._old_and_reference(batches, seeds)
         update_stats: list[dict] = []
         skipped = False
         for it in range(mu):
@@ -582,6 +548,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         stats = _mean_dicts(stats_list)
+        stats.update(dps_stats)
         for k in _COUNTS:
             stats[k] = sum(s[k] for s in stats_list)
         stats.update(_mean_dicts(update_stats))

@@ -26,7 +26,9 @@ through TRL's ``tool_mask`` (TRL's mask of tokens the policy is not trained on).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,16 +46,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "daca.integrations.trl needs TRL: pip install 'daca-grpo[trl]' (trl==1.16.0)"
     ) from e
 
-from daca.dps import LAST_STEP_MODES, NORM_AXES, normalize, progress_deltas, token_multipliers
-from daca.likelihood import (
-    STRATA,
-    elbo_token_terms_from_masks,
-    mean_field_logp,
-    strata_assignment,
-)
+from daca.config import DPSConfig, GenerationConfig, SMLConfig, check_sampling, from_dict
+from daca.dps import step_multipliers
+from daca.likelihood import mean_field_logp, strata_assignment, stratified_logp
 from daca.models.loading import LoadedModel, load, write_meta
+from daca.models.prompts import left_pad as left_pad_lists
+from daca.models.prompts import up_to_eos
 from daca.objectives import sml_enriched
-from daca.sampler import REMASKING, SCOPES, generate
+from daca.sampler import generate
 
 TRL_VERSION = "1.16.0"
 if trl.__version__ != TRL_VERSION:
@@ -67,73 +67,77 @@ def _f(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+# The config sections whose fields DACAGRPOConfig carries, flat, under a prefix: the sampler's
+# under their own names, DPS's and SML's as dps_* and sml_* (SML's wd1-only eta: no wd1 here).
+SECTIONS = {
+    "generation": ("", GenerationConfig),
+    "dps": ("dps_", DPSConfig),
+    "sml": ("sml_", SMLConfig),
+}
+_LEFT_OUT = {("sml", "eta")}
+
+
+def _flat_name(section: str, name: str) -> str:
+    return SECTIONS[section][0] + name
+
+
+def _with_sections(cls):
+    """Add every field of ``SECTIONS`` to ``cls`` (before ``@dataclass``): name, type, default and
+    help from the section's dataclass, so that there is one source of truth for them."""
+    for section, (prefix, source) in SECTIONS.items():
+        hints = typing.get_type_hints(source)
+        for f in dataclasses.fields(source):
+            if (section, f.name) in _LEFT_OUT:
+                continue
+            cls.__annotations__[prefix + f.name] = hints[f.name]
+            setattr(cls, prefix + f.name, field(default=f.default, metadata=dict(f.metadata)))
+    return cls
+
+
 @dataclass
+@_with_sections
 class DACAGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the masked-diffusion sampler, the likelihood and DACA's switches.
 
     Every TRL field keeps its meaning; ``temperature`` is the sampler's Gumbel temperature
     (default 0.9, the paper's training temperature) and ``max_completion_length`` is set to
-    ``gen_length``. Unset ``mask_id`` / ``prompt_width`` are read from the model loaded by
-    ``daca.models.load`` (when the trainer is given a name or path) or the tokenizer.
+    ``gen_length``. The sampler's fields (``gen_length``, ``steps``, ``block_length``,
+    ``temperature``, ``cfg_scale``, ``remasking``, ``cache``, ``parallel_threshold``), DPS's
+    (``dps_enabled``, ``dps_lam``, ``dps_stride``, ...) and SML's (``sml_enabled``,
+    ``sml_num_strata``, ``sml_strata``) are those of ``daca.config``'s ``GenerationConfig``,
+    ``DPSConfig`` and ``SMLConfig`` (defaults, help and validation), flattened. Unset
+    ``mask_id`` / ``prompt_width`` are read from the model loaded by ``daca.models.load`` (when
+    the trainer is given a name or path) or the tokenizer.
     """
 
-    # The sampler (METHOD.md §1).
     mask_id: int | None = _f(None, "mask token id (None: the loaded model's or the tokenizer's)")
-    gen_length: int = _f(16, "completion length L in tokens")
-    steps: int = _f(8, "denoising steps T over the whole completion")
-    block_length: int = _f(16, "semi-autoregressive block length; divides gen_length")
-    temperature: float = _f(0.9, "Gumbel temperature of the sampler")
-    cfg_scale: float = _f(0.0, "classifier-free guidance scale (0 = off)")
-    remasking: str = _f("low_confidence", f"commit order, one of {REMASKING}")
-    cache: str = _f("none", "block KV cache of the rollouts: none, prefix or dual (rollouts.md)")
-    parallel_threshold: float | None = _f(
-        None, "commit every masked block position more confident than this (rollouts.md)"
-    )
     prompt_width: int | None = _f(
         None, "left pad every prompt to exactly this width (models with absolute positions)"
     )
-    # The likelihood (METHOD.md §3, §4).
     p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
-    sml_enabled: bool = _f(False, "SML-enriched log-probs 0.5 * (l^MF + l^SML)")
-    sml_num_strata: int = _f(4, "K strata; each token sees (K-1)/K of the completion")
-    sml_strata: str = _f("random", f"how strata are cut, one of {STRATA}")
-    # Denoising Progress Scores (METHOD.md §2).
-    dps_enabled: bool = _f(True, "modulate each token's advantage by its birth step's progress")
-    dps_lam: float = _f(0.5, "strength lambda of the multiplier 1 + lambda * delta")
-    dps_stride: int = _f(4, "record the trace every s steps")
-    dps_last_step: str = _f("extrapolate", f"delta of the last interval, one of {LAST_STEP_MODES}")
-    dps_norm_axis: str = _f("per_step", f"axis over which delta is z-scored, one of {NORM_AXES}")
-    dps_scope: str = _f("all", f"trace scope, one of {SCOPES}")
-    dps_clamp_min: float | None = _f(None, "lower clamp of the multiplier (0 keeps signs)")
+
+    def section(self, name: str):
+        """The ``daca.config`` dataclass of section ``name`` ("generation", "dps", "sml") with this
+        config's values, type-checked (a ConfigError names the flat field)."""
+        prefix, source = SECTIONS[name]
+        values = {
+            f.name: getattr(self, prefix + f.name)
+            for f in dataclasses.fields(source)
+            if (name, f.name) not in _LEFT_OUT
+        }
+        return from_dict(source, values, prefix)
 
     def __post_init__(self):
         super().__post_init__()
-        choices = {
-            "remasking": (self.remasking, REMASKING),
-            "sml_strata": (self.sml_strata, STRATA),
-            "dps_last_step": (self.dps_last_step, LAST_STEP_MODES),
-            "dps_norm_axis": (self.dps_norm_axis, NORM_AXES),
-            "dps_scope": (self.dps_scope, SCOPES),
-        }
-        for name, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        if min(self.gen_length, self.steps, self.block_length, self.dps_stride) < 1:
-            raise ValueError("gen_length, steps, block_length and dps_stride must be >= 1")
-        if self.gen_length % self.block_length:
-            raise ValueError(
-                f"gen_length {self.gen_length} is not divisible by block_length {self.block_length}"
-            )
-        if self.steps % (self.gen_length // self.block_length):
-            raise ValueError(
-                f"steps {self.steps} is not divisible by the number of blocks "
-                f"{self.gen_length // self.block_length}"
-            )
+        check_sampling(*(self.section(n) for n in SECTIONS), key=_flat_name)
         if not 0.0 <= self.p_mask_prompt <= 1.0:
             raise ValueError(f"p_mask_prompt must lie in [0, 1], got {self.p_mask_prompt}")
-        if self.sml_enabled and not 1 <= self.sml_num_strata <= self.gen_length:
+        if self.steps_per_generation != self.gradient_accumulation_steps:
+            # DPS z-scores over one generation batch: it must be the optimizer step's (METHOD §2).
             raise ValueError(
-                f"sml_num_strata must lie in [1, gen_length], got {self.sml_num_strata}"
+                f"steps_per_generation={self.steps_per_generation} must equal "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: DPS normalises "
+                "over the trajectories of one optimizer step, TRL's generation batch"
             )
         unsupported = {
             "use_vllm": self.use_vllm,
@@ -176,53 +180,19 @@ def mask_views(
     return hide, k_of.view(B, iterations, gen_length)
 
 
-def stratified_logp_from_strata(
-    model,
-    prompt_ids: Tensor,
-    completion_ids: Tensor,
-    strata: Tensor,
-    *,
-    mask_id: int,
-    num_strata: int,
-    attention_mask: Tensor | None = None,
-) -> Tensor:
-    """ℓ^SML [B, L] for given strata [B, L] (METHOD.md §3), as ``likelihood.stratified_logp``.
-
-    View k masks exactly S_k; the core's ``elbo_token_terms_from_masks`` with unit nodes and
-    weights sums log p(o_n | view k) over the one view in which n is masked: that is ℓ^SML_n.
-    """
-    masks = strata[None] == torch.arange(num_strata, device=strata.device)[:, None, None]
-    ones = torch.ones(num_strata, dtype=torch.float64)
-    return elbo_token_terms_from_masks(
-        model,
-        prompt_ids,
-        completion_ids,
-        masks,
-        ones,
-        ones,
-        mask_id=mask_id,
-        attention_mask=attention_mask,
-    )
-
-
 def left_pad(
     ids: list[list[int]] | Tensor, mask: Tensor | None, width: int, pad_id: int
 ) -> tuple[Tensor, Tensor]:
     """Prompts left padded to exactly ``width``: ids [B, width] long, mask [B, width] long.
 
-    ``ids``: lists of real tokens (mask None), or a left-padded [B, P] tensor with its mask;
-    columns beyond ``width`` may be dropped only if they hold padding.
+    ``ids``: lists of real tokens (mask None; ``daca.models.prompts.left_pad``), or TRL's
+    left-padded [B, P] tensor with its mask, re-padded: columns beyond ``width`` may be dropped
+    only if they hold padding.
     """
     if isinstance(ids, list):
         if any(len(row) > width for row in ids):
             raise ValueError(f"a prompt has more than prompt_width={width} tokens")
-        out = torch.full((len(ids), width), pad_id, dtype=torch.long)
-        att = torch.zeros((len(ids), width), dtype=torch.long)
-        for b, row in enumerate(ids):
-            if row:
-                out[b, width - len(row) :] = torch.as_tensor(row, dtype=torch.long)
-                att[b, width - len(row) :] = 1
-        return out, att
+        return left_pad_lists(ids, width, pad_id)
     extra = ids.shape[1] - width
     if extra >= 0:
         if bool(mask[:, :extra].any()):
@@ -421,8 +391,7 @@ class DACAGRPOTrainer(GRPOTrainer):
         self._set_views(0)
         # TRL's convention for decoding and length metrics: cut after the first end of sequence.
         completion = rollout.completion_ids
-        is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=completion.device))
-        keep = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+        keep = up_to_eos(completion, self.eos_token_ids)
         completion_ids = [c[k].tolist() for c, k in zip(completion.cpu(), keep.cpu(), strict=True)]
         return completion_ids, None
 
@@ -482,28 +451,21 @@ class DACAGRPOTrainer(GRPOTrainer):
         return output
 
     def _dps_multipliers(self, rollout, mode: str) -> Tensor:
-        """(1 + lam * delta_{J(n)}) [B, L], delta z-scored over the global batch (METHOD.md §2)."""
+        """(1 + lam * delta_{J(n)}) [B, L] of the generation batch (``dps.step_multipliers``, as
+        in ``daca train``): delta z-scored over every process's rows of it, which with
+        ``steps_per_generation = gradient_accumulation_steps`` are the optimizer step's."""
         a = self.args
-        deltas = progress_deltas(
-            rollout.progress_logp,
-            rollout.progress_mask,
-            a.dps_last_step,
-            last_logp=rollout.last_logp,
-            last_mask=rollout.last_mask,
-            recorded_steps=rollout.recorded_steps,
-            num_steps=rollout.num_steps,
+        (mult,), _, metrics = step_multipliers(
+            [rollout],
+            lam=a.dps_lam,
+            last_step=a.dps_last_step,
+            norm_axis=a.dps_norm_axis,
+            clamp_min=a.dps_clamp_min,
+            gather=self.accelerator.gather if self.accelerator.num_processes > 1 else None,
+            rank=self.accelerator.process_index,
         )
-        local, rank = deltas.shape[0], self.accelerator.process_index
-        everything = self.accelerator.gather(deltas.contiguous())
-        normed = normalize(everything, a.dps_norm_axis)[rank * local : (rank + 1) * local]
-        mult = token_multipliers(
-            normed, rollout.birth_step, rollout.recorded_steps, a.dps_lam, a.dps_clamp_min
-        )
-        every = self.accelerator.gather(mult)
-        self._metrics[mode]["dps/delta_std"].append(everything.std(correction=0).item())
-        self._metrics[mode]["dps/multiplier_min"].append(every.min().item())
-        self._metrics[mode]["dps/multiplier_max"].append(every.max().item())
-        self._metrics[mode]["dps/multiplier_std"].append(every.std(correction=0).item())
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
         return mult
 
     # ----------------------------------------------------------------- likelihood
@@ -564,19 +526,20 @@ class DACAGRPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 logp = mean_field_logp(
                     tap or model,
-                    p_ids.masked_fill(hide[rows], self.mask_id),
+                    p_ids,
                     c_ids,
                     mask_id=self.mask_id,
                     attention_mask=p_mask,
+                    prompt_hide=hide[rows],
                 )
                 if strata is not None:
-                    sml = stratified_logp_from_strata(
+                    sml = stratified_logp(
                         model,
                         p_ids,
                         c_ids,
-                        strata[rows],
                         mask_id=self.mask_id,
                         num_strata=self.args.sml_num_strata,
+                        strata=strata[rows],
                         attention_mask=p_mask,
                     )
                     logp = sml_enriched(logp, sml)
@@ -613,5 +576,4 @@ __all__ = [
     "DACAGRPOTrainer",
     "left_pad",
     "mask_views",
-    "stratified_logp_from_strata",
 ]

@@ -34,11 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from daca.models.native import NATIVE
-
-TINY_PATH = Path(__file__).resolve().parent.parent / "assets" / "tiny"
-# The shipped tiny models, by name: one per embedded task (the tiny model is too small to learn
-# both Sudoku and Countdown well at once).
-SHIPPED = {"tiny": TINY_PATH, "tiny-countdown": TINY_PATH.parent / "tiny-countdown"}
+from daca.shipped import SHIPPED, tiny_for_task  # noqa: F401 (tiny_for_task re-exported)
 
 
 @dataclass(frozen=True)
@@ -97,13 +93,6 @@ def resolve(name_or_path: str | None) -> str:
             )
         return str(SHIPPED[name])
     return name
-
-
-def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
-    """``"tiny"`` means the shipped model of the task: Countdown has its own."""
-    if name_or_path in (None, "", "tiny") and task.startswith("countdown"):
-        return "tiny-countdown"
-    return name_or_path
 
 
 def read_meta(path: str) -> dict:

@@ -83,11 +83,17 @@ def pad_prompts(bundle: LoadedModel, ids: list[list[int]]) -> tuple[Tensor, Tens
         if width > bundle.prompt_width:
             raise ValueError(f"a prompt has more than the model's {bundle.prompt_width} tokens")
         width = bundle.prompt_width
-    out = torch.full((len(ids), width), bundle.pad_id, dtype=torch.long)
+    return left_pad(ids, width, bundle.pad_id)
+
+
+def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token lists left padded to ``width``: ids [B, width] long, attention mask [B, width] long
+    (1 = real token)."""
+    out = torch.full((len(ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for b, seq in enumerate(ids):
         if seq:
-            out[b, width - len(seq) :] = torch.tensor(seq)
+            out[b, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
             mask[b, width - len(seq) :] = 1
     return out, mask
 
@@ -120,9 +126,13 @@ def encode_targets(bundle: LoadedModel, texts: list[str], gen_length: int) -> Te
 
 def completion_mask(bundle: LoadedModel, completion_ids: Tensor) -> Tensor:
     """[B, L] bool: tokens up to and including the first end-of-sequence token."""
-    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
-    for e in bundle.eos_ids:
-        is_eos |= completion_ids == e
+    return up_to_eos(completion_ids, bundle.eos_ids)
+
+
+def up_to_eos(completion_ids: Tensor, eos_ids) -> Tensor:
+    """[B, L] bool: tokens up to and including the first of ``eos_ids``."""
+    eos = torch.as_tensor(list(eos_ids), dtype=completion_ids.dtype, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)
     before = is_eos.long().cumsum(1) - is_eos.long()  # eos tokens strictly before n
     return before == 0
 

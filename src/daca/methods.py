@@ -1,0 +1,219 @@
+"""The base methods, one registry entry each (METHOD.md §4, §6): everything the trainer, the
+ablation grid and the memory estimate need to know about a method, so that no other module
+tests a method's name. Adding a base method = its estimator and loss in the core, one entry here.
+
+An entry's callables take the run's ``TrainConfig`` (and, for the estimator, a ``RolloutBatch``
+of the trainer: ``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completion_mask``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from torch import Tensor
+
+from daca import likelihood, objectives
+
+if TYPE_CHECKING:
+    from daca.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class BaseMethod:
+    """One base method.
+
+    estimator(model, batch, cfg, generator, mask_id) -> per-token log-probs [B, L] (the base
+        ℓ that the ratio, or wd1's likelihood, reads; SML is added by the caller).
+    loss(cfg, logp, *, old_logp, ref_logp, advantages, completion_mask, token_multipliers,
+        sml_logp) -> (loss, metrics).
+    ratio: a policy ratio: old-policy log-probs, μ = ``num_iterations`` inner updates per
+        rollout, a KL against a reference when β > 0 (wd1 has none of them).
+    beta: the reference code's KL weight, used when the config leaves ``beta`` unset.
+    compare_iterations: μ of ``daca compare``'s tiny runs.
+    baseline: ``objectives.group_advantages``'s baseline.
+    sml: how SML enters: ``"enriched"`` ratio ½(ℓ^base + ℓ^SML) for the current, old and
+        reference policies, or wd1's ``"regulariser"`` −(η/G)·Σ log p^SML.
+    forward_views(cfg) -> (views stacked in the estimator's forward, completion rows scored
+        per token over them): the memory estimate's factors (``daca.memory``).
+    in_paper: one of the paper's three base methods (``daca compare``'s default grid).
+    """
+
+    name: str
+    estimator: Callable[..., Tensor]
+    loss: Callable[..., tuple[Tensor, dict]]
+    ratio: bool
+    beta: float
+    compare_iterations: int
+    baseline: str
+    sml: Literal["enriched", "regulariser"]
+    forward_views: Callable[[TrainConfig], tuple[int, float]]
+    in_paper: bool = True
+
+
+# ----------------------------------------------------------------- estimators
+def _mean_field(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
+    """d1's ℓ^MF with the config's prompt masking (Diffu-GRPO, wd1)."""
+    return likelihood.mean_field_logp(
+        model,
+        batch.prompt_ids,
+        batch.completion_ids,
+        mask_id=mask_id,
+        attention_mask=batch.prompt_mask,
+        p_mask_prompt=cfg.p_mask_prompt,
+        generator=generator,
+    )
+
+
+def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
+    """GDPO's quadrature ELBO token terms, masking among the real completion tokens only."""
+    return likelihood.elbo_token_terms(
+        model,
+        batch.prompt_ids,
+        batch.completion_ids,
+        mask_id=mask_id,
+        attention_mask=batch.prompt_mask,
+        quadrature=cfg.quadrature,
+        generator=generator,
+        completion_mask=batch.completion_mask,
+    )
+
+
+def _coupled(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
+    """coupled-GRPO's ℓ^C with one complementary pair (DiffuCoder's λ = 1; prompt unmasked)."""
+    return likelihood.coupled_logp(
+        model,
+        batch.prompt_ids,
+        batch.completion_ids,
+        mask_id=mask_id,
+        attention_mask=batch.prompt_mask,
+        generator=generator,
+    )
+
+
+# ----------------------------------------------------------------- losses
+def _wd1_loss(cfg: TrainConfig, logp, *, advantages, completion_mask, token_multipliers, **rest):
+    return objectives.wd1_loss(
+        logp,
+        advantages,
+        completion_mask,
+        num_generations=cfg.num_generations,
+        psi=cfg.psi,
+        token_multipliers=token_multipliers,
+        sml_logp=rest["sml_logp"],
+        eta=cfg.sml.eta if cfg.sml.enabled else 0.0,
+    )
+
+
+def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
+    """A ratio method's loss: ``objective(logp, old, A, mask, ε, β, <ref_key>=ref, m)``."""
+    return objective(
+        logp,
+        kw["old_logp"],
+        kw["advantages"],
+        kw["completion_mask"],
+        epsilon=cfg.epsilon,
+        beta=cfg.beta,
+        token_multipliers=kw["token_multipliers"],
+        **{ref_key: kw["ref_logp"]},
+    )
+
+
+# The objectives are looked up when called (tests replace them with spies).
+def _diffu_grpo_loss(cfg: TrainConfig, logp, **kw):
+    return _ratio_loss(objectives.diffu_grpo_loss, "ref_logp", cfg, logp, **kw)
+
+
+def _gdpo_loss(cfg: TrainConfig, logp, **kw):
+    return _ratio_loss(objectives.gdpo_loss, "ref_token_terms", cfg, logp, **kw)
+
+
+def _coupled_grpo_loss(cfg: TrainConfig, logp, **kw):
+    return _ratio_loss(objectives.coupled_grpo_loss, "ref_logp", cfg, logp, **kw)
+
+
+# ----------------------------------------------------------------- memory factors
+def _one_view(cfg: TrainConfig) -> tuple[int, float]:
+    return 1, 1.0
+
+
+def _quadrature_views(cfg: TrainConfig) -> tuple[int, float]:
+    """One view per node; node t masks t·L positions and the nodes' t sum to n / 2."""
+    nodes = len(likelihood.quadrature_nodes(cfg.quadrature)[0])
+    return nodes, nodes / 2
+
+
+def _coupled_views(cfg: TrainConfig) -> tuple[int, float]:
+    """1 + 2λ views (λ = 1): the full mask scores every token, each pair every token once."""
+    return 3, 2.0
+
+
+METHODS: dict[str, BaseMethod] = {
+    m.name: m
+    for m in (
+        BaseMethod(
+            name="diffu_grpo",
+            estimator=_mean_field,
+            loss=_diffu_grpo_loss,
+            ratio=True,
+            beta=0.04,
+            compare_iterations=2,
+            baseline="mean",
+            sml="enriched",
+            forward_views=_one_view,
+        ),
+        BaseMethod(
+            name="wd1",
+            estimator=_mean_field,
+            loss=_wd1_loss,
+            ratio=False,
+            beta=0.0,
+            compare_iterations=1,
+            baseline="mean",
+            sml="regulariser",
+            forward_views=_one_view,
+        ),
+        BaseMethod(
+            name="gdpo",
+            estimator=_elbo,
+            loss=_gdpo_loss,
+            ratio=True,
+            beta=0.0,
+            compare_iterations=2,
+            baseline="mean",
+            sml="enriched",
+            forward_views=_quadrature_views,
+        ),
+        BaseMethod(
+            name="coupled_grpo",
+            estimator=_coupled,
+            loss=_coupled_grpo_loss,
+            ratio=True,
+            beta=0.01,
+            compare_iterations=2,
+            baseline="leave_one_out",
+            sml="enriched",
+            forward_views=_coupled_views,
+            in_paper=False,
+        ),
+    )
+}
+# The config's type of ``method``: its validation and error messages name exactly these.
+MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type]
+
+
+def get_method(name: str) -> BaseMethod:
+    """The registry entry of ``name``; a KeyError names the valid methods."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; choose from {sorted(METHODS)}") from None
+
+
+def paper_methods() -> list[str]:
+    """The paper's base methods, in registry order."""
+    return [name for name, m in METHODS.items() if m.in_paper]
+
+
+__all__ = ["METHODS", "BaseMethod", "MethodName", "get_method", "paper_methods"]

@@ -1,0 +1,21 @@
+"""The models shipped with daca, by name: where they lie and which one a task's ``"tiny"`` means.
+
+Names only (no model code), so that the configuration can resolve ``model=tiny`` without
+importing the model loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_PATH = Path(__file__).resolve().parent / "assets" / "tiny"
+# One tiny model per embedded task (the tiny model is too small to learn both Sudoku and
+# Countdown well at once).
+SHIPPED = {"tiny": TINY_PATH, "tiny-countdown": TINY_PATH.parent / "tiny-countdown"}
+
+
+def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
+    """``"tiny"`` means the shipped model of the task: Countdown has its own."""
+    if name_or_path in (None, "", "tiny") and task.startswith("countdown"):
+        return "tiny-countdown"
+    return name_or_path
