@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from daca import sampler
+from daca.core import sampler
+from daca.core.sampler import generate
 from daca.models.tiny import build_model, tiny_config
-from daca.sampler import generate
 
 recorder_seconds = [0.0]  # CPU time spent inside the trace recorder (instrumentation)
 _step = sampler.TraceRecorder.step

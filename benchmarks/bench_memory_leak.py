@@ -61,10 +61,11 @@ def main() -> int:
         ap.error("--steps must be > 50 (memory is compared from step 50 on)")
     torch.set_num_threads(args.threads)
 
-    from daca import sampler
-    from daca import trainer as trainer_module
-    from daca.config import load_config
+    from daca.core import sampler
     from daca.tasks import Task, get_task, register_task
+    from daca.train import rollout as rollout_module
+    from daca.train import trainer as trainer_module
+    from daca.train.config import load_config
 
     sudoku = get_task("sudoku")
 
@@ -101,7 +102,7 @@ def main() -> int:
                 at_end.append((self.held_bytes, len(self.groups)))
 
     sampler.TraceRecorder = Recorder  # generate() looks the class up at each call
-    generate = trainer_module.generate
+    generate = rollout_module.generate  # the training rollout calls it
 
     def spy_generate(*a, **kw):
         out = generate(*a, **kw)
@@ -109,7 +110,7 @@ def main() -> int:
             peaks.append(out.trace_peak_bytes)
         return out
 
-    trainer_module.generate = spy_generate
+    rollout_module.generate = spy_generate
     make_rollout = trainer_module.Trainer._make_rollout
     samples: dict[int, int] = {}
 

@@ -1,5 +1,5 @@
 """Cost of the reward guard: rewards per second of each task's reward functions called directly
-(unguarded, in this thread) against ``daca.rewards.score_rewards`` (daca's functions in the
+(unguarded, in this thread) against ``daca.tasks.rewards.score_rewards`` (daca's functions in the
 persistent worker process, killed at the deadline), on the seven tasks' real data.
 
 A batch is 8 prompts x 8 completions (4 for the code tasks), as in a GRPO step; completions
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from daca.rewards import score_rewards
 from daca.tasks import get_task
+from daca.tasks.rewards import score_rewards
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PROMPTS, GENERATIONS, CODE_GENERATIONS = 8, 8, 4

@@ -2,7 +2,7 @@
 
 Runs ``--steps`` training steps (default 500) of a small random model in the tiny model's
 format, each scoring its 8 completions with 8 sandboxed MBPP executions at once
-(``daca.tasks.mbpp.run_tests`` → ``daca.sandbox.run_many``, 8 workers). Completion i of a step
+(``daca.tasks.mbpp.run_tests`` → ``daca.tasks.sandbox.run_many``, 8 workers). Completion i of a step
 runs the reference solution of a different MBPP problem (sanitized MBPP, /work/shared/data or
 ``--mbpp``), broken by a ``raise`` when the model's completion holds an odd number of '1's:
 the reward (the share of asserts passed) depends on the model, so the updates run too.
@@ -161,8 +161,8 @@ def main() -> int:
         r.setdefault("test_imports", [])
     register_load_task(mbpp_reward(rows, execute=not args.no_execution))
 
-    from daca.config import load_config
-    from daca.trainer import Trainer
+    from daca.train.config import load_config
+    from daca.train.trainer import Trainer
 
     model = random_tiny_model(scratch / "model")
     cfg = load_config(
@@ -201,7 +201,7 @@ def main() -> int:
     rewards = [h["reward"] for h in trainer.history]
 
     time.sleep(1.0)  # sandboxes killed at their deadline are reaped by then
-    from daca import rewards as rewards_module
+    from daca.tasks import rewards as rewards_module
 
     guard = getattr(rewards_module, "_guard", None)
     guard_pids = {guard._proc.pid} if guard is not None and getattr(guard, "_proc", None) else set()

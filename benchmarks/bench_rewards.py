@@ -1,8 +1,8 @@
 """Throughput of the rewards that cost something: sandboxed code execution and math-verify.
 
-1. MBPP reference solutions with their asserts, pool of 2: ``daca.sandbox.run_many`` (bwrap, or
-   the fallback) against a plain unsandboxed ``subprocess.run`` of the same interpreter on the
-   same program, also 2 at a time. Prints executions per second and the ratio.
+1. MBPP reference solutions with their asserts, pool of 2: ``daca.tasks.sandbox.run_many``
+   (bwrap, or the fallback) against a plain unsandboxed ``subprocess.run`` of the same
+   interpreter on the same program, also 2 at a time. Prints executions per second and the ratio.
 2. MATH-500 answers: ``math_equal`` (math-verify) from the main thread and from a worker thread
    (which goes through the worker process) against a plain string compare. Pairs are a gold
    answer and the next problem's gold, so nearly every check runs math-verify in full.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from daca import sandbox
+from daca.tasks import sandbox
 from daca.tasks.formats import read_records
 from daca.tasks.mathcheck import math_equal
 

@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from daca.core.sampler import generate
 from daca.models.native import LLaDAForDiffusionLM, llama_config
-from daca.sampler import generate
 
 FULL = dict(layers=8, d=512, heads=8, vocab=32000, L=256, T=128, block=32, prompt=128)
 QUICK = dict(layers=4, d=256, heads=4, vocab=8000, L=64, T=32, block=16, prompt=32)

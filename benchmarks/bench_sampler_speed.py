@@ -20,9 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from daca.modeling import forward_logits
+from daca.core.modeling import forward_logits
+from daca.core.sampler import generate
 from daca.models.tiny import build_model, tiny_config
-from daca.sampler import generate
 
 
 @torch.no_grad()

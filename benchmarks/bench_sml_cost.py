@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from daca.likelihood import mean_field_logp, stratified_logp
+from daca.core.likelihood import mean_field_logp, stratified_logp
 from daca.models.tiny import build_model, tiny_config
 
 

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from daca.config import GenerationConfig
-from daca.evaluation import rollout
 from daca.models.loading import load
 from daca.tasks import get_task
+from daca.train.config import GenerationConfig
+from daca.train.rollout import rollout
 
 
 def main() -> None:

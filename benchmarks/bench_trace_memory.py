@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from daca import sampler
-from daca.sampler import generate, transfer_schedule
+from daca.core import sampler
+from daca.core.sampler import generate, transfer_schedule
 
 
 class CountingRecorder(sampler.TraceRecorder):

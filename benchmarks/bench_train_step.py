@@ -1,6 +1,6 @@
 """Trainer step time: wd1 + DPS and wd1 + SML (K=4) against the wd1 base (issue 4, "Speed").
 
-Builds one ``daca.trainer.Trainer`` per variant on the shipped tiny model (or, while
+Builds one ``daca.train.trainer.Trainer`` per variant on the shipped tiny model (or, while
 ``src/daca/assets/tiny`` does not exist yet, a random model of the same size) with the tiny
 Sudoku recipe's sizes, and runs ``train_step`` on each in turn: the order rotates every round,
 so that noise from a shared machine hits every variant alike; one warm-up step each is dropped.
@@ -31,11 +31,11 @@ VARIANTS = {
 
 
 def stand_in_model(folder: Path) -> Path:
-    """A random model in the shipped tiny model's format and size (daca.pretrain defaults)."""
+    """A random model in the shipped tiny model's format and size (daca.train.pretrain defaults)."""
     from transformers.utils import logging as hf_logging
 
     from daca.models.tiny import new_tiny, save_tiny
-    from daca.pretrain import PretrainConfig
+    from daca.train.pretrain import PretrainConfig
 
     hf_logging.disable_progress_bar()
     p = PretrainConfig()
@@ -62,9 +62,9 @@ def main() -> None:
     rounds = args.rounds or (4 if args.quick else 8)
     batch = args.batch or (48 if args.quick else 96)
 
-    from daca.config import load_config
-    from daca.models.loading import TINY_PATH
-    from daca.trainer import Trainer
+    from daca.shipped import TINY_PATH
+    from daca.train.config import load_config
+    from daca.train.trainer import Trainer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-train-step-"))
     if TINY_PATH.is_dir():

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from daca.config import load_config
 from daca.models.native import LLaDAForDiffusionLM, llama_config
 from daca.models.tiny import build_tokenizer, save_tiny, tiny_llada_config
-from daca.trainer import Trainer
+from daca.train.config import load_config
+from daca.train.trainer import Trainer
 
 # LLaDA-8B-Instruct's vocabulary and special ids (<|mdm_mask|>; <|endoftext|> as EOS and pad,
 # and <|eot_id|>, which LLaDA's tokenizer adds and the character tokenizer here lacks): the
@@ -114,8 +114,8 @@ def run(folder, out, name, method, variant, size, args, extra=()) -> dict:
 def cached_rollout(folder: Path, size: dict, args) -> None:
     """Rollout time with the block KV cache (docs/rollouts.md): ``cache`` none vs dual, without
     and with the DPS trace (s = 4), 6 prompts of the model's width, the run's L and steps."""
+    from daca.core.sampler import generate
     from daca.models import load
-    from daca.sampler import generate
 
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -17,11 +17,11 @@ import time
 import torch
 from datasets import Dataset
 
-from daca.config import GenerationConfig
-from daca.evaluation import evaluate
 from daca.integrations.trl import DACAGRPOConfig, DACAGRPOTrainer
 from daca.models.loading import load
 from daca.tasks import get_task
+from daca.train.config import GenerationConfig
+from daca.train.evaluation import evaluate
 
 
 def main() -> None:

@@ -15,9 +15,9 @@ import torch
 from _tasks import sudoku_rows_task
 
 from daca import dps
-from daca.config import load_config
 from daca.tasks import register_task
-from daca.trainer import Trainer
+from daca.train.config import load_config
+from daca.train.trainer import Trainer
 
 
 def main(out: Path, runs: list[list[str]]) -> None:

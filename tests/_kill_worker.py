@@ -24,11 +24,11 @@ import torch
 from _tasks import ones as share_of_ones
 from _tasks import sudoku_rows_task  # this folder is on sys.path: a script here
 
-import daca.trainer
-from daca import checkpoint
+import daca.train.rollout
 from daca.cli import main
 from daca.tasks import Task, register_task
-from daca.trainer import Trainer
+from daca.train import checkpointing as checkpoint
+from daca.train.trainer import Trainer
 
 
 def _ones_failing_on_rank1() -> Task:
@@ -56,7 +56,7 @@ def _install_phase_hooks(slow: float) -> None:
         checkpoint.commit,
     )
 
-    score_rewards = daca.trainer.score_rewards
+    score_rewards = daca.train.rollout.score_rewards
 
     def hooked_rollout(self, step, micro):
         _phase("rollout", step)
@@ -97,7 +97,7 @@ def _install_phase_hooks(slow: float) -> None:
             fh.write(data[len(data) // 2 :])
 
     Trainer._make_rollout, Trainer._loss = hooked_rollout, hooked_loss
-    daca.trainer.score_rewards = slow_rewards
+    daca.train.rollout.score_rewards = slow_rewards
     checkpoint.begin, checkpoint.commit = hooked_begin, hooked_commit
     torch.save = torn_save
 

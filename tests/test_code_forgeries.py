@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daca import sandbox
-from daca.tasks import code_tests, get_task
+from daca.tasks import code_tests, get_task, sandbox
 from daca.tasks.humaneval import test_plan as humaneval_plan
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from daca import sandbox
-from daca.tasks import get_task
+from daca.tasks import get_task, sandbox
 from daca.tasks.formats import extract_code, fenced_blocks
 from daca.tasks.humaneval import make_task as make_humaneval
 from daca.tasks.mbpp import make_task as make_mbpp

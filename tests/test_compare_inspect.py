@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from daca import compare
 from daca.cli import main
+from daca.train import compare
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daca.cli import main
-from daca.config import ConfigError, TrainConfig, describe, load_config, resolved
+from daca.train.config import ConfigError, TrainConfig, describe, load_config, resolved
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -125,9 +125,9 @@ def test_held_out_is_the_mean_over_all_rows(ranks, tiny_model_dir):
     single-process evaluation of the same 5 rows."""
     from _tasks import sudoku_rows_task
 
-    from daca.config import load_config
-    from daca.evaluation import evaluate
     from daca.models.loading import load
+    from daca.train.config import load_config
+    from daca.train.evaluation import evaluate
 
     task = sudoku_rows_task("ones")
     cfg = load_config(None, [f"model={tiny_model_dir}", *COMMON])

@@ -97,10 +97,10 @@ def test_sample_prints_answers(tiny_model_dir, capsys):
 def test_a_training_checkpoint_is_a_model_eval_accepts(tiny_model_dir, tmp_path, capsys):
     """`daca eval --model runs/<run>/checkpoints/step-N/model`: the tiny model's compact
     prompts and the run's generation settings come from the checkpoint's daca.json."""
-    from daca.config import load_config
-    from daca.modeling import forward_logits
+    from daca.core.modeling import forward_logits
     from daca.models import load
-    from daca.trainer import Trainer
+    from daca.train.config import load_config
+    from daca.train.trainer import Trainer
 
     overrides = [f"model={tiny_model_dir}", f"output_dir={tmp_path}", "name=run", "max_steps=1",
                  "eval_every=0", "eval_size=4", "train_size=8", "tensorboard=false",

@@ -7,8 +7,8 @@ from conftest import random_mlm
 from test_trainer import _cfg
 
 from daca import dps
-from daca.sampler import generate
-from daca.trainer import Trainer
+from daca.core.sampler import generate
+from daca.train.trainer import Trainer
 
 MASK = 31  # mask id of the random ModernBERT (vocab 32)
 

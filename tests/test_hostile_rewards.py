@@ -18,11 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daca.rewards import RewardError, score_completions, score_rewards
 from daca.tasks import get_task
 from daca.tasks.common import answer_tag_span
 from daca.tasks.formats import fenced_blocks, is_soft_format, is_strict_format
 from daca.tasks.mathcheck import last_boxed, math_equal
+from daca.tasks.rewards import RewardError, score_completions, score_rewards
 
 pytest.importorskip("jsonschema")
 
@@ -235,7 +235,7 @@ def test_an_abandoned_batch_does_not_keep_the_process_alive(tmp_path):
         textwrap.dedent(
             """
             import json, threading, time
-            from daca import rewards
+            from daca.tasks import rewards
             from daca.tasks import get_task
 
             task = get_task("json_schema")

@@ -123,7 +123,7 @@ def _checkpoints_complete_or_absent(run_dir: Path) -> list[int]:
 
 def _resumable_step(run_dir: Path) -> int:
     """The step a resume must start from: the newest folder marked complete (a complete
-    .tmp/.old left between two renames is promoted by daca.checkpoint.recover)."""
+    .tmp/.old left between two renames is promoted by daca.train.checkpointing.recover)."""
     root = run_dir / "checkpoints"
     found = [int(p.name[5:12]) for p in root.glob("step-*") if (p / "COMPLETE").is_file()]
     return max(found, default=0)

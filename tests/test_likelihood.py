@@ -1,4 +1,4 @@
-"""daca.likelihood: mean-field, SML, the GDPO ELBO and coupled-GRPO (METHOD.md §3, §4, §6).
+"""daca.core.likelihood: mean-field, SML, the GDPO ELBO and coupled-GRPO (METHOD.md §3, §4, §6).
 
 Most checks use an ORACLE model built from an explicit joint p(x) over short sequences: at each
 masked position its logits are the exact log p(x_n | visible tokens), every other masked position
@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import random_mlm
 
-from daca.likelihood import (
+from daca.core.likelihood import (
     coupled_logp,
     coupled_masks,
     elbo_masks,

@@ -8,9 +8,9 @@ import torch
 from _tasks import sudoku_rows_task
 from safetensors.torch import load_file
 
-from daca.config import load_config
 from daca.tasks import register_task
-from daca.trainer import Trainer
+from daca.train.config import load_config
+from daca.train.trainer import Trainer
 
 register_task("ones", lambda: sudoku_rows_task("ones"))
 

@@ -8,8 +8,8 @@ import torch
 from test_trainer import _cfg, _params
 
 from daca import likelihood, objectives
-from daca.sampler import gumbel_argmax
-from daca.trainer import Trainer
+from daca.core.sampler import gumbel_argmax
+from daca.train.trainer import Trainer
 
 
 def _llada_gumbel(logits, temperature, generator):

@@ -1,4 +1,4 @@
-"""The base-method registry (daca.methods), coupled-GRPO through the trainer, and the DPS step
+"""The base-method registry (daca.train.methods), coupled-GRPO through the trainer, and the DPS step
 shared by ``daca train`` and the TRL front-end (dps.step_multipliers)."""
 
 import json
@@ -10,12 +10,14 @@ import torch
 from _tasks import sudoku_rows_task
 from conftest import random_mlm
 
-from daca import compare, dps, generate
-from daca.config import ConfigError, TrainConfig, load_config
-from daca.memory import estimate
-from daca.methods import METHODS
+from daca import dps, generate
 from daca.tasks import register_task
-from daca.trainer import RolloutBatch, Trainer
+from daca.train import compare
+from daca.train.config import ConfigError, TrainConfig, load_config
+from daca.train.memory import estimate
+from daca.train.methods import METHODS
+from daca.train.rollout import RolloutBatch
+from daca.train.trainer import Trainer
 
 register_task("ones", lambda: sudoku_rows_task("ones"))
 G = 6

@@ -16,8 +16,9 @@ import torch
 from conftest import random_mlm
 from transformers import ModernBertForMaskedLM
 
-from daca.likelihood import mean_field_logp
-from daca.modeling import forward_logits
+from daca.core.likelihood import mean_field_logp
+from daca.core.modeling import forward_logits
+from daca.core.sampler import generate
 from daca.models.families import (
     enable_gradient_checkpointing,
     model_shape,
@@ -33,7 +34,6 @@ from daca.models.loading import (
     load,
 )
 from daca.models.tiny import build_model, build_tokenizer, tiny_config
-from daca.sampler import generate
 
 PAD, MASK = 0, 1
 

@@ -36,9 +36,9 @@ from _hub import (
     write_llada,
 )
 
-from daca.modeling import forward_logits
+from daca.core.modeling import forward_logits
+from daca.core.sampler import generate
 from daca.models import load
-from daca.sampler import generate
 
 FAMILIES = ("llada", "dream")
 WRITERS = {"llada": write_llada, "dream": write_dream}

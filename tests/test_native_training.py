@@ -15,11 +15,11 @@ import torch
 from _hub import imported_python, write_dream, write_llada
 
 from daca.cli import main
-from daca.config import load_config
-from daca.modeling import forward_logits
+from daca.core.modeling import forward_logits
 from daca.models import load
 from daca.tasks import Task, get_task, register_task
-from daca.trainer import Trainer
+from daca.train.config import load_config
+from daca.train.trainer import Trainer
 
 WRITERS = {"llada": write_llada, "dream": write_dream}
 
@@ -171,6 +171,7 @@ def test_one_trl_step(family, setting, hub_dirs, tmp_path):
         gen_length=8,
         steps=4,
         block_length=8,
+        dps_stride=2,  # below steps: a stride of 4 records a single step (refused)
         max_steps=1,
         logging_steps=1,
         seed=0,

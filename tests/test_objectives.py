@@ -7,7 +7,7 @@ import torch
 from conftest import random_mlm
 
 from daca import objectives as obj
-from daca.modeling import forward_logits
+from daca.core.modeling import forward_logits
 
 LN2 = math.log(2.0)
 

@@ -32,14 +32,14 @@ from _tasks import ones, sudoku_rows_task
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daca import checkpoint
 from daca.cli import main
-from daca.config import TrainConfig, describe, load_config
 from daca.models.loading import load
 from daca.models.prompts import fit_prompts, pad_prompts, prompt_limit
-from daca.rewards import RewardError, score_rewards
 from daca.tasks import register_task
-from daca.trainer import InputError, Trainer, TrainingError
+from daca.tasks.rewards import RewardError, score_rewards
+from daca.train import checkpointing as checkpoint
+from daca.train.config import TrainConfig, describe, load_config
+from daca.train.trainer import InputError, Trainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_kill_worker.py")
@@ -582,11 +582,11 @@ def test_200_malicious_programs_in_the_sandbox_while_a_step_trains(tiny_model_di
     thread: the step finishes, every program gets its bounded verdict, nothing escapes
     (a file outside, a listening socket, our own process), nothing is left running, and
     every run's temporary folder is removed."""
-    from daca import sandbox
+    from daca.tasks import sandbox
 
     isolation = sandbox.isolation_available()
     # Without bubblewrap and without root the sandbox runs as our own uid: it cannot protect
-    # our files or catch a daemon (daca.sandbox says so). Then only the bounds are checked.
+    # our files or catch a daemon (daca.tasks.sandbox says so). Then only the bounds are checked.
     strong = isolation == "bwrap" or os.geteuid() == 0
     sentinel = Path("/var/tmp") / f"daca-sentinel-{uuid.uuid4().hex}"
     sentinel.write_text("intact")

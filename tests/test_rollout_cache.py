@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from conftest import random_mlm
 
 from daca import dps
+from daca.core.sampler import BlockCache, generate
 from daca.models.native import DreamForDiffusionLM, qwen2_config
 from daca.models.tiny import new_tiny
-from daca.sampler import BlockCache, generate
 
 
 @pytest.fixture(scope="module")

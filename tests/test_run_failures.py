@@ -12,10 +12,10 @@ import pytest
 from _launch import fsdp_cpu_config, launch_two
 from _tasks import sudoku_rows_task
 
-from daca import checkpoint
 from daca.cli import main
 from daca.tasks import register_task
-from daca.trainer import Trainer
+from daca.train import checkpointing as checkpoint
+from daca.train.trainer import Trainer
 
 register_task("ones", lambda: sudoku_rows_task("ones"))
 WORKER = Path(__file__).with_name("_kill_worker.py")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_mlm
 
-from daca.sampler import generate, top_confidence_mask, transfer_schedule
+from daca.core.sampler import generate, top_confidence_mask, transfer_schedule
 
 V, MASK, PAD = 32, 31, 0
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from daca import sandbox
-from daca.sandbox import ExecResult, isolation_available, run_many, run_python
+from daca.tasks import sandbox
+from daca.tasks.sandbox import ExecResult, isolation_available, run_many, run_python
 
 ROOT = os.geteuid() == 0
 # Both isolations as root (the fallback's file and signal protection relies on a separate uid).
@@ -368,7 +368,7 @@ def test_unsafe_execution_runs_only_when_asked_for(fresh_probe, monkeypatch, tmp
 
 
 def test_config_names_the_sandbox_setting():
-    from daca.config import ConfigError, load_config
+    from daca.train.config import ConfigError, load_config
 
     assert load_config().sandbox == "bwrap"
     assert load_config(overrides=["sandbox=unsafe"]).sandbox == "unsafe"

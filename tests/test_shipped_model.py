@@ -7,10 +7,10 @@ import json
 import pytest
 from safetensors import safe_open
 
-from daca.config import GenerationConfig, load_config
-from daca.evaluation import evaluate
 from daca.models.loading import SHIPPED, load
 from daca.tasks import get_task
+from daca.train.config import GenerationConfig, load_config
+from daca.train.evaluation import evaluate
 
 META = {name: json.loads((folder / "daca.json").read_text()) for name, folder in SHIPPED.items()}
 

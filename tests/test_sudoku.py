@@ -13,12 +13,12 @@ from daca.tasks.sudoku import (
     compact_prompt,
     count_solutions,
     generate_puzzles,
-    is_valid_grid,
     parse_answer,
     split_grids,
     sudoku_reward,
     sudoku_score,
 )
+from daca.tasks.sudoku_grid import is_valid_grid
 
 SOLUTION = "1234341221434321"  # rows 1234 / 3412 / 2143 / 4321
 PUZZLE = "1034340220430321"  # SOLUTION with cells 1, 6, 9 and 12 blanked

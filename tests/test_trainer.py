@@ -6,10 +6,10 @@ import pytest
 import torch
 from _tasks import sudoku_rows_task
 
-from daca.config import load_config
-from daca.rewards import RewardError, score_rewards
 from daca.tasks import register_task
-from daca.trainer import Trainer
+from daca.tasks.rewards import RewardError, score_rewards
+from daca.train.config import load_config
+from daca.train.trainer import Trainer
 
 register_task("ones", lambda: sudoku_rows_task("ones"))
 

@@ -8,14 +8,14 @@ datasets = pytest.importorskip("datasets")
 
 from trl import GRPOTrainer  # noqa: E402
 
-from daca.dps import rollout_multipliers  # noqa: E402
+from daca.core.dps import rollout_multipliers  # noqa: E402
+from daca.core.likelihood import mean_field_logp  # noqa: E402
 from daca.integrations.trl import (  # noqa: E402
     DACAGRPOConfig,
     DACAGRPOTrainer,
     left_pad,
     mask_views,
 )
-from daca.likelihood import mean_field_logp  # noqa: E402
 from daca.models.loading import (  # noqa: E402
     LoadedModel,
     load,

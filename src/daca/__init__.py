@@ -8,8 +8,8 @@ The method core is a set of pure functions on tensors (see METHOD.md in the docs
 >>> from daca import objectives             # group advantages and the three base losses
 """
 
-from daca import dps, likelihood, objectives
-from daca.sampler import Rollout, generate
+from daca.core import dps, likelihood, objectives
+from daca.core.sampler import Rollout, generate
 
 __version__ = "0.1.0"
 __all__ = ["Rollout", "generate", "dps", "likelihood", "objectives", "__version__"]

@@ -46,14 +46,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "daca.integrations.trl needs TRL: pip install 'daca-grpo[trl]' (trl==1.16.0)"
     ) from e
 
-from daca.config import DPSConfig, GenerationConfig, SMLConfig, check_sampling, from_dict
-from daca.dps import step_multipliers
-from daca.likelihood import mean_field_logp, strata_assignment, stratified_logp
+from daca.core.dps import step_multipliers
+from daca.core.likelihood import mean_field_logp, strata_assignment, stratified_logp
+from daca.core.objectives import sml_enriched
+from daca.core.sampler import generate
 from daca.models.loading import LoadedModel, load, write_meta
 from daca.models.prompts import left_pad as left_pad_lists
 from daca.models.prompts import up_to_eos
-from daca.objectives import sml_enriched
-from daca.sampler import generate
+from daca.train.config import DPSConfig, GenerationConfig, SMLConfig, check_sampling, from_dict
 
 TRL_VERSION = "1.16.0"
 if trl.__version__ != TRL_VERSION:
@@ -104,7 +104,7 @@ class DACAGRPOConfig(GRPOConfig):
     ``gen_length``. The sampler's fields (``gen_length``, ``steps``, ``block_length``,
     ``temperature``, ``cfg_scale``, ``remasking``, ``cache``, ``parallel_threshold``), DPS's
     (``dps_enabled``, ``dps_lam``, ``dps_stride``, ...) and SML's (``sml_enabled``,
-    ``sml_num_strata``, ``sml_strata``) are those of ``daca.config``'s ``GenerationConfig``,
+    ``sml_num_strata``, ``sml_strata``) are those of ``daca.train.config``'s ``GenerationConfig``,
     ``DPSConfig`` and ``SMLConfig`` (defaults, help and validation), flattened. Unset
     ``mask_id`` / ``prompt_width`` are read from the model loaded by ``daca.models.load`` (when
     the trainer is given a name or path) or the tokenizer.
@@ -117,8 +117,8 @@ class DACAGRPOConfig(GRPOConfig):
     p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
 
     def section(self, name: str):
-        """The ``daca.config`` dataclass of section ``name`` ("generation", "dps", "sml") with this
-        config's values, type-checked (a ConfigError names the flat field)."""
+        """The ``daca.train.config`` dataclass of section ``name`` ("generation", "dps", "sml")
+        with this config's values, type-checked (a ConfigError names the flat field)."""
         prefix, source = SECTIONS[name]
         values = {
             f.name: getattr(self, prefix + f.name)

@@ -17,7 +17,7 @@ otherwise), the generation settings the model was trained with, and for a LoRA c
 name of its base model, which ``load`` loads first and puts the adapter on.
 
 The method core calls ``model(input_ids, attention_mask=...)`` with left-padded prompts and reads
-"logits at position i predict token i" (``daca.modeling``). A masked LM whose logits change
+"logits at position i predict token i" (``daca.core.modeling``). A masked LM whose logits change
 under left padding even with the attention mask (it ignores the mask, or its positions are
 absolute) gets the ``bucketed_forward`` adapter, installed on the model itself, with a warning.
 """

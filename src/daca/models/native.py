@@ -14,9 +14,9 @@ either family loads into ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with:
 The two classes below are those transformers classes with three changes: causality off,
 positions counted from the first real token of a left-padded row (so a padded row equals the
 row alone), Dream's shift undone (logits at i predict token i, the core's contract in
-``daca.modeling``), and ``save_pretrained`` writing the family's hub layout back (hub key names,
-the original ``config.json`` fields), so a trained model loads with daca and with the family's
-own code alike. Everything else — SDPA, gradient checkpointing, caches, PEFT target names
+``daca.core.modeling``), and ``save_pretrained`` writing the family's hub layout back (hub key
+names, the original ``config.json`` fields), so a trained model loads with daca and with the
+family's own code alike. Everything else — SDPA, gradient checkpointing, caches, PEFT target names
 ``q_proj … down_proj``, DeepSpeed/FSDP wrapping — is transformers' own.
 """
 

@@ -7,11 +7,15 @@ than the model reads is an error naming it, or, when asked, cut to its last toke
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from daca.models.loading import LoadedModel
-from daca.tasks import Task
+
+if TYPE_CHECKING:  # annotations only: the tasks sit a layer above the models
+    from daca.tasks import Task
 
 
 def prompt_texts(bundle: LoadedModel, task: Task, rows: list[dict]) -> list[str]:

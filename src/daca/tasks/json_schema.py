@@ -12,7 +12,7 @@ closer to ECMA-262 than Python's ``re``: ``\\d`` and ``\\w`` are ASCII, ``$`` is
 text) when it is installed and compiles them: Python's ``re`` backtracks exponentially on patterns
 such as ``^(?:[A-Za-z0-9]+[-]?)+[A-Za-z0-9]$`` (Github_medium o10310) and holds the GIL meanwhile.
 Patterns RE2 cannot compile (lookaround, backreferences) use ``re``; the reward guard
-(``daca.rewards``) stops those. A completion that breaks the JSON parser or the validator
+(``daca.tasks.rewards``) stops those. A completion that breaks the JSON parser or the validator
 (nesting deeper than the recursion limit, ...) is simply not valid JSON: it scores 0.
 
 A schema that is itself invalid, or whose ``$ref`` cannot be resolved, is an error of the dataset:

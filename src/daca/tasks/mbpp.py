@@ -2,7 +2,7 @@
 
 Rows ``{"task_id", "prompt", "code", "test_imports", "test_list"}``. The program is the task's
 ``test_imports`` followed by the completion's code (``formats.extract_code``); it runs in the
-sandbox (``daca.sandbox``, never in this process). Each assert of ``test_list`` is judged
+sandbox (``daca.tasks.sandbox``, never in this process). Each assert of ``test_list`` is judged
 outside the program (``code_tests``): the sandbox returns the values of its calls and the
 comparison with the expected values happens here. Over the sanitized file's 1324 asserts only
 the 3 of task 126 (its function is named ``sum``, like the builtin) cannot be split; they run in
@@ -18,8 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from daca import sandbox
-from daca.tasks import Task, code_tests
+from daca.tasks import Task, code_tests, sandbox
 from daca.tasks.common import chat_user_message
 from daca.tasks.formats import (
     PYTHON_TAGS,
@@ -77,7 +76,7 @@ def make_task(workers: int = 2, **limits) -> Task:
         results = run_tests(completions, test_list, test_imports, workers=workers, **limits)
         return [float(r.passed and all(passed)) for r, passed in results]
 
-    # Whole batches to the reward worker (daca.rewards): each sandbox run has its own time
+    # Whole batches to the reward worker (daca.tasks.rewards): each sandbox run has its own time
     # limit, and a GRPO group runs in parallel with its identical programs run once.
     pass_rate_reward.batched = score.batched = True
     return Task(

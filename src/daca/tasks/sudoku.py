@@ -21,33 +21,15 @@ from daca.tasks.common import (
     completion_text,
     generated_or_file,
 )
+from daca.tasks.files import read_sudoku_csv
+from daca.tasks.sudoku_grid import PEERS
 
 SPLIT_SEED = 0
 NUM_TRAIN_GRIDS = 240
 
-# Rows, columns and 2x2 boxes as lists of cell indices; PEERS[i] = cells sharing a unit with i.
-UNITS = (
-    [[4 * r + c for c in range(4)] for r in range(4)]
-    + [[4 * r + c for r in range(4)] for c in range(4)]
-    + [
-        [4 * (br + r) + bc + c for r in range(2) for c in range(2)]
-        for br in (0, 2)
-        for bc in (0, 2)
-    ]
-)
-PEERS = [sorted({j for unit in UNITS if i in unit for j in unit} - {i}) for i in range(16)]
-
 _PUZZLE_RE = re.compile(r"[0-4]{16}")
-_GRID_RE = re.compile(r"[1-4]{16}")
 _ANSWER_SEPARATORS = re.compile(r"[\s|,]")
 _ANSWER_RE = re.compile(r"[0-9]{16}")
-
-
-def is_valid_grid(grid: str) -> bool:
-    """True when ``grid`` is 16 digits 1-4 with every row, column and box a permutation of 1-4."""
-    return bool(_GRID_RE.fullmatch(grid)) and all(
-        len({grid[i] for i in unit}) == 4 for unit in UNITS
-    )
 
 
 def _search(cells: list[int], limit: int) -> int:
@@ -224,8 +206,6 @@ def load(
     """Rows of a ``Puzzle,Solution`` CSV at ``path`` (``split`` then only names it), else
     ``limit`` (default 2000 train / 200 test) generated puzzles; ``gen_kwargs`` go to
     ``generate_puzzles`` (``min_blanks``, ``max_blanks``, ``unique``)."""
-    from daca.tasks.files import read_sudoku_csv  # files imports this module
-
     return generated_or_file(
         split, path, limit, seed, gen_kwargs, read_file=read_sudoku_csv, generate=generate_puzzles
     )

@@ -16,14 +16,13 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from daca.config import VARIANT_SWITCHES, ConfigError, load_config
-from daca.methods import METHODS, paper_methods
 from daca.tasks.formats import read_records
+from daca.train.config import VARIANT_SWITCHES, ConfigError, load_config
+from daca.train.methods import METHODS
 
 # The grid's variants: the config's ``variant`` switch (config.VARIANT_SWITCHES).
 VARIANTS = {name: [f"variant={name}"] for name in VARIANT_SWITCHES}
@@ -39,7 +38,7 @@ ABLATIONS = {
     },
 }
 # Per-method settings of the tiny runs (μ for the ratio methods, as the reference codes do
-# for short tasks, scaled down; daca.methods).
+# for short tasks, scaled down; daca.train.methods).
 METHOD_OVERRIDES = {
     name: [f"method={name}", f"num_iterations={m.compare_iterations}"]
     for name, m in METHODS.items()
@@ -107,8 +106,8 @@ def run_grid(
     way through a grid. Every cell is seeded, so the numbers do not depend on ``jobs``.
     report_only: run nothing, and write the tables from the cells finished so far.
     """
-    from daca.checkpoint import latest_checkpoint
-    from daca.trainer import train
+    from daca.train.checkpointing import latest_checkpoint
+    from daca.train.trainer import train
 
     if jobs < 1:
         raise ConfigError(f"jobs must be >= 1, got {jobs}")
@@ -171,7 +170,7 @@ def _result(cell: Cell, run_dir: Path) -> dict:
 def _train_cell(cfg, resume: bool, threads: int) -> None:
     import torch
 
-    from daca.trainer import train
+    from daca.train.trainer import train
 
     torch.set_num_threads(threads)
     train(cfg, resume=resume, progress=False)
@@ -294,78 +293,3 @@ def _plots(results, rows, out: Path, task: str) -> None:
     fig.tight_layout()
     fig.savefig(out / f"{task}-bars.png", dpi=110)
     plt.close(fig)
-
-
-def add_arguments(p) -> None:
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every cell")
-    p.add_argument("--task", default="sudoku")
-    p.add_argument(
-        "--methods",
-        default=",".join(paper_methods()),
-        help=f"base methods, from {', '.join(METHODS)} (default: the paper's three)",
-    )
-    p.add_argument(
-        "--variants",
-        default="base,dps,sml,daca",
-        help="base,dps,sml,daca or custom name:key=value;key=value",
-    )
-    p.add_argument(
-        "--ablation",
-        choices=sorted(ABLATIONS),
-        help="the DPS ablation grid on wd1 (overrides --methods/--variants)",
-    )
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=100,
-        help="training steps per cell (100: a full 3 × 4 × 3 grid is 2.6 CPU-hours)",
-    )
-    p.add_argument("--config", help="base YAML recipe for every cell")
-    p.add_argument("--out", default="compare", help="output folder")
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="cells run at once, each in its own process with an equal share of the CPU threads",
-    )
-    p.add_argument(
-        "--report-only",
-        action="store_true",
-        help="run nothing: write the tables and plots from the cells finished so far",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="one seed, 60 steps, base and dps of each method (about 10 min on 2 CPU cores)",
-    )
-
-
-def run(args) -> int:
-    try:
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        variants = parse_variants(args.variants)
-        seeds, steps = args.seeds, args.steps
-        if args.ablation:
-            methods, variants = ["wd1"], ABLATIONS[args.ablation]
-        if args.quick:
-            seeds, steps = 1, 60
-            variants = {k: VARIANTS[k] for k in ("base", "dps")}
-        out = Path(args.out) / (args.ablation or args.task)
-        run_grid(
-            task=args.task,
-            methods=methods,
-            variants=variants,
-            seeds=seeds,
-            steps=steps,
-            out=out,
-            config=args.config,
-            overrides=tuple(args.overrides),
-            jobs=args.jobs,
-            report_only=args.report_only,
-        )
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print((out / f"{args.task}-table.md").read_text())
-    return 0

@@ -11,33 +11,33 @@ import daca
 # name -> (module, function adding arguments, function running, help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "train": (
-        "daca.train_cli",
+        "daca.cli.train",
         "add_arguments",
         "run",
         "RL-train a masked diffusion LM (no arguments: the tiny model on Sudoku, wd1 + DPS)",
     ),
     "pretrain": (
-        "daca.pretrain",
+        "daca.cli.pretrain",
         "add_arguments",
         "run",
         "train the embedded tiny masked diffusion LM from scratch",
     ),
-    "eval": ("daca.eval_cli", "add_eval_arguments", "run_eval", "a model's metric on a task"),
-    "sample": ("daca.eval_cli", "add_sample_arguments", "run_sample", "show a model's answers"),
+    "eval": ("daca.cli.eval", "add_arguments", "run", "a model's metric on a task"),
+    "sample": ("daca.cli.sample", "add_arguments", "run", "show a model's answers"),
     "compare": (
-        "daca.compare",
+        "daca.cli.compare",
         "add_arguments",
         "run",
         "the ablation grid: methods x variants x seeds, as tables and plots",
     ),
     "export": (
-        "daca.export",
+        "daca.cli.export",
         "add_arguments",
         "run",
         "write a standalone model from a run's checkpoint (optionally LoRA merged)",
     ),
     "inspect": (
-        "daca.inspect_run",
+        "daca.cli.inspect",
         "add_arguments",
         "run",
         "draw a recorded rollout coloured by DPS multipliers (PNG and HTML)",

@@ -3,7 +3,7 @@
 Batch layout: B = num_prompts * G rows with the groups contiguous (rows g*G .. g*G+G-1 share a
 prompt). Per-token tensors are [B, L]; ``completion_mask`` [B, L] (bool or float, None = all
 ones) marks the tokens that count. ``token_multipliers`` [B, L] are DPS's (1 + lam * norm_delta)
-(``daca.dps``); None, or multipliers of exactly 1, give the base loss bit for bit.
+(``daca.core.dps``); None, or multipliers of exactly 1, give the base loss bit for bit.
 
 Each loss returns ``(loss, metrics)``: a scalar tensor to backpropagate and a dict of Python
 floats to log. Advantages, old/reference log-probs and multipliers are treated as constants.

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from daca.modeling import forward_logits, full_attention_mask
+from daca.core.modeling import forward_logits, full_attention_mask
 
 REMASKING = ("low_confidence", "random")
 SCOPES = ("all", "block")
@@ -542,7 +542,7 @@ def generate(
     own is saved, it takes no step). Each row counts its own steps t_b = 0 .. T_b - 1
     (``Rollout.steps_taken``): ``birth_step`` and the recorded steps r_j = j*s are on that
     clock, so a row's trace is the one it would have alone; j >= ceil(T_b / s) is never reached
-    (NaN in ``progress_logp``) and `daca.dps` leaves such intervals out of the statistics.
+    (NaN in ``progress_logp``) and `daca.core.dps` leaves such intervals out of the statistics.
     Without parallel_threshold every row takes every step (t_b = t, T_b = T).
     """
     opts = dict(

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor
 
-from daca import likelihood, objectives
+from daca.core import likelihood, objectives
 
 if TYPE_CHECKING:
-    from daca.config import TrainConfig
+    from daca.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class BaseMethod:
     sml: how SML enters: ``"enriched"`` ratio ½(ℓ^base + ℓ^SML) for the current, old and
         reference policies, or wd1's ``"regulariser"`` −(η/G)·Σ log p^SML.
     forward_views(cfg) -> (views stacked in the estimator's forward, completion rows scored
-        per token over them): the memory estimate's factors (``daca.memory``).
+        per token over them): the memory estimate's factors (``daca.train.memory``).
     in_paper: one of the paper's three base methods (``daca compare``'s default grid).
     """
 

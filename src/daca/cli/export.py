@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from daca.checkpoint import list_checkpoints
+from daca.train.checkpointing import list_checkpoints
 
 
 def checkpoint_model(run_dir, step: int | None = None) -> Path:

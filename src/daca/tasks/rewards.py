@@ -247,7 +247,7 @@ spec = importlib.util.find_spec("daca")
 package = types.ModuleType("daca")
 package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
 sys.modules["daca"] = package
-from daca.rewards import _serve
+from daca.tasks.rewards import _serve
 _serve(*map(int, sys.argv[2:]))
 """
 

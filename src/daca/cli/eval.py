@@ -1,4 +1,4 @@
-"""``daca eval`` and ``daca sample``: a model's metric on a task, and a look at its answers.
+"""``daca eval``: a model's metric on a task (``daca sample`` shares its generation options).
 
 Defaults follow the paper's evaluation protocol (temperature 0, steps = gen_length / 2,
 block 32); the tiny model's own settings (L 16, 8 steps, one block) when it is the model.
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from daca.config import GenerationConfig
+from daca.train.config import GenerationConfig
 
 
-def _add_generation(p) -> None:
+def add_generation_arguments(p) -> None:
     p.add_argument(
         "--model",
         default="tiny",
@@ -69,19 +69,14 @@ def _generation(args, bundle) -> GenerationConfig:
     )
 
 
-def add_eval_arguments(p) -> None:
-    _add_generation(p)
+def add_arguments(p) -> None:
+    add_generation_arguments(p)
     p.add_argument("--limit", type=int, help="first N examples only")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", help="JSONL file of (prompt, completion, score); default beside cwd")
 
 
-def add_sample_arguments(p) -> None:
-    _add_generation(p)
-    p.add_argument("-n", type=int, default=4, help="how many examples")
-
-
-def _setup(args):
+def model_task_and_generation(args):
     from daca.models.loading import load, tiny_for_task
     from daca.tasks import get_task
 
@@ -91,12 +86,12 @@ def _setup(args):
     return bundle, task, _generation(args, bundle)
 
 
-def _errors_as_messages(run):
+def errors_as_messages(run):
     """A bad model folder, data file or setting: one line and exit code 2, no traceback."""
 
     @functools.wraps(run)
     def wrapped(args) -> int:
-        from daca.sandbox import SandboxUnavailable
+        from daca.tasks.sandbox import SandboxUnavailable
 
         try:
             return run(args)
@@ -107,11 +102,11 @@ def _errors_as_messages(run):
     return wrapped
 
 
-@_errors_as_messages
-def run_eval(args) -> int:
-    from daca.evaluation import evaluate
+@errors_as_messages
+def run(args) -> int:
+    from daca.train.evaluation import evaluate
 
-    bundle, task, gen = _setup(args)
+    bundle, task, gen = model_task_and_generation(args)
     rows = task.load(split=args.split, path=args.data_file, limit=args.limit, seed=args.seed)
     if not rows:
         print(f"error: no {args.task} examples to evaluate", file=sys.stderr)
@@ -138,24 +133,4 @@ def run_eval(args) -> int:
         f"parallel_threshold={gen.parallel_threshold}, mean steps "
         f"{sum(res.steps) / max(len(res.steps), 1):.2f}); per-example lines in {out}"
     )
-    return 0
-
-
-@_errors_as_messages
-def run_sample(args) -> int:
-    from daca.evaluation import evaluate
-
-    bundle, task, gen = _setup(args)
-    rows = task.load(split=args.split, path=args.data_file, limit=args.n, seed=args.seed)
-    gen_rng = torch.Generator(device=args.device).manual_seed(args.seed)
-    res = evaluate(bundle, task, rows, gen, temperature=args.temperature, generator=gen_rng)
-    for row, prompt, completion, score in zip(
-        rows, res.prompts, res.completions, res.scores, strict=True
-    ):
-        print(f"prompt:     {prompt}")
-        if "solution" in row:
-            print(f"reference:  {row['solution']}")
-        print(f"completion: {completion}")
-        print(f"score:      {score:.3f}\n")
-    print(f"mean score {res.mean:.3f} over {len(rows)} examples")
     return 0

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from daca.config import TrainConfig
-from daca.methods import METHODS
+from daca.train.config import TrainConfig
+from daca.train.methods import METHODS
 
 PROMPT_TOKENS = 256  # assumed prompt length (d1 truncates prompts at 200 tokens)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + double-quantised absmax per 64-block
@@ -41,7 +41,7 @@ class MemoryEstimate:
 
 
 def dps_trace_rows(gen_length: int, steps: int, block_length: int, stride: int, scope: str):
-    """Peak held log-probability rows per sequence (``daca.sampler.TraceRecorder``):
+    """Peak held log-probability rows per sequence (``daca.core.sampler.TraceRecorder``):
     "all": L (T + s − 1)² / (4 s T); "block": b (k + s − 1)² / (4 s k) with k = T / (L / b) for
     one block, b (k + 2s − 1)² / (4 s k) for several (each block also holds the rows that the
     previous block's last recorded step kept for it, docs/rollouts.md)."""
@@ -99,7 +99,7 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
         per_forward, recompute = b * T * layers * act * h, b * T * per_layer
     else:
         per_forward, recompute = b * T * layers * per_layer, 0
-    # Each estimator stacks its views in one forward (daca.methods: GDPO one per quadrature
+    # Each estimator stacks its views in one forward (daca.train.methods: GDPO one per quadrature
     # node, coupled-GRPO 1 + 2λ; SML: K): the largest stacked forward's logits exist at a time;
     # the log-softmax rows of the scored positions are kept in fp32 with their gradient (8 bytes
     # per entry).

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from daca.config import ConfigError, describe, load_config
+from daca.train.config import ConfigError, describe, load_config
 
 
 def add_arguments(p) -> None:
@@ -52,12 +52,12 @@ def run(args) -> int:
         f"DPS {'on' if cfg.dps.enabled else 'off'}, SML {'on' if cfg.sml.enabled else 'off'}"
     )
     if args.dry_run:
-        from daca.memory import estimate_text
+        from daca.train.memory import estimate_text
 
         print(estimate_text(cfg))
         return 0
-    from daca.rewards import RewardError
-    from daca.trainer import InputError, TrainingError, train
+    from daca.tasks.rewards import RewardError
+    from daca.train.trainer import InputError, TrainingError, train
 
     try:
         summary = train(cfg, resume=bool(args.resume), progress=not args.no_progress)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from daca.config import TrainConfig, to_dict
+from daca.train.config import TrainConfig, to_dict
 
 
 class RunLogger:

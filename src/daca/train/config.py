@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
-from daca.methods import METHODS, MethodName
 from daca.shipped import tiny_for_task
+from daca.train.methods import METHODS, MethodName
 
 
 def _f(default, help: str, **kw):
@@ -96,7 +96,7 @@ class TrainConfig:
     task: str = _f("sudoku", "task name (daca.tasks.get_task)")
     data_file: str | None = _f(None, "training data file (else the task generates or downloads)")
     eval_file: str | None = _f(None, "held-out data file (else the task's test split)")
-    method: MethodName = _f("wd1", "base method (daca.methods.METHODS; METHOD.md §4, §6)")
+    method: MethodName = _f("wd1", "base method (daca.train.methods.METHODS; METHOD.md §4, §6)")
     variant: Literal["base", "dps", "sml", "daca"] | None = _f(
         None, "the ablation grid's switch: sets dps.enabled and sml.enabled together"
     )
@@ -120,7 +120,7 @@ class TrainConfig:
     scale_rewards: Literal["none", "group"] = _f("none", "divide advantages by the group std")
     psi: float = _f(1.0, "wd1 weight temperature ψ")
     quadrature: str = _f("gauss-3", "GDPO ELBO quadrature")
-    learning_rate: float = _f(1e-4, "AdamW learning rate")
+    learning_rate: float = _f(3e-5, "AdamW learning rate (the tiny default; 1e-4 collapses it)")
     weight_decay: float = _f(0.1, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW β1")
     adam_beta2: float = _f(0.99, "AdamW β2")

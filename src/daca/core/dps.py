@@ -1,6 +1,7 @@
 """Denoising Progress Scores (METHOD.md §2): per-token advantage multipliers from the trace.
 
-The sampler's trace (``daca.sampler.Rollout``) holds, for recorded steps r_j (j = 0..m, R = m+1):
+The sampler's trace (``daca.core.sampler.Rollout``) holds, for recorded steps r_j
+(j = 0..m, R = m+1):
 
 - ``recorded_steps`` [R] long: the r_j, increasing (r_j = j*s for the regular stride);
 - ``progress_logp`` [B, R, L] float: l[j, n] = log p(x*_n | x_{r_j}), meaningless where the mask

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from daca.modeling import forward_logits, full_attention_mask
+from daca.core.modeling import forward_logits, full_attention_mask
 
 STRATA = ("random", "interleaved", "contiguous")
 

@@ -604,7 +604,8 @@ def isolation_available() -> str:
         _fallback_warned = True
         warnings.warn(
             f"{UNSAFE_ENV}=1 and bubblewrap does not work here: model code runs in a plain "
-            "subprocess with resource limits only, a MUCH weaker isolation (see daca.sandbox)",
+            "subprocess with resource limits only, a MUCH weaker isolation "
+            "(see daca.tasks.sandbox)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -1,0 +1,57 @@
+"""``daca pretrain``: train the embedded tiny masked diffusion LM from scratch."""
+
+from __future__ import annotations
+
+from daca.train.pretrain import PretrainConfig, pretrain
+
+
+def add_arguments(p) -> None:
+    d = PretrainConfig()
+    p.add_argument(
+        "--task", choices=["sudoku", "countdown", "countdown-public", "mix"], default=d.task
+    )
+    p.add_argument("--out", default=d.out, help="output model folder")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-size", type=int, default=d.eval_size)
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=d.target_accuracy,
+        help="stop once the held-out metric of --stop-task reaches this (negative: never)",
+    )
+    p.add_argument("--stop-task", default=d.stop_task)
+    p.add_argument("--train-size", type=int, default=d.train_size, help="examples per task")
+    p.add_argument("--max-minutes", type=float, help="stop and save after this wall time")
+    p.add_argument("--init-from", help="a saved tiny model to continue training (same task)")
+    p.add_argument(
+        "--also-eval", nargs="*", default=[], help="tasks measured on the final model only"
+    )
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+
+
+def run(args) -> int:
+    cfg = PretrainConfig(
+        task=args.task,
+        out=args.out,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        eval_every=args.eval_every,
+        eval_size=args.eval_size,
+        target_accuracy=None if args.target_accuracy < 0 else args.target_accuracy,
+        stop_task=args.stop_task,
+        train_size=args.train_size,
+        max_minutes=args.max_minutes,
+        init_from=args.init_from,
+        also_eval=tuple(args.also_eval),
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+    )
+    pretrain(cfg)
+    return 0

@@ -1,0 +1,86 @@
+"""Held-out evaluation of a task, shared by ``pretrain``, ``train``, ``eval`` and ``sample``
+(the generation itself is ``daca.train.rollout.rollout``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from daca.models.loading import LoadedModel
+from daca.tasks import Task
+from daca.train.config import GenerationConfig
+from daca.train.rollout import rollout
+
+
+@dataclass
+class EvalResult:
+    mean: float
+    ci95: float  # half-width of the normal-approximation 95 % interval
+    scores: list[float]
+    completions: list[str]
+    prompts: list[str]
+    steps: list[int] = field(default_factory=list)  # denoising steps each example took
+
+
+def mean_ci95(scores: list[float]) -> tuple[float, float]:
+    n = len(scores)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(scores) / n
+    if n == 1:
+        return mean, float("nan")
+    var = sum((s - mean) ** 2 for s in scores) / (n - 1)
+    return mean, 1.96 * math.sqrt(var / n)
+
+
+@torch.no_grad()
+def evaluate(
+    bundle: LoadedModel,
+    task: Task,
+    rows: list[dict],
+    gen: GenerationConfig,
+    *,
+    batch_size: int = 100,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+    reward_timeout: float | None = 30.0,
+) -> EvalResult:
+    """The task's metric on ``rows`` (temperature 0 by default, the paper's protocol).
+
+    Scores run guarded (``daca.tasks.rewards.score_completions``): an example whose scoring
+    raises or overruns ``reward_timeout`` seconds scores 0 and is logged. A task that runs
+    model-written code first checks that the sandbox works (``SandboxUnavailable`` says how to
+    fix it).
+    """
+    from daca.tasks.rewards import score_completions
+
+    if task.executes_code:
+        from daca.tasks.sandbox import isolation_available
+
+        isolation_available()
+    was_training = bundle.model.training
+    bundle.model.eval()
+    scores, completions, prompts, steps = [], [], [], []
+    batches = range(0, len(rows), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc=f"eval {task.name}", unit="batch")
+    try:
+        for start in batches:
+            chunk = rows[start : start + batch_size]
+            done = rollout(bundle, task, chunk, gen, temperature=temperature, generator=generator)
+            columns = {c: [r.get(c) for r in chunk] for c in task.columns}
+            scores += score_completions(
+                task.score, done.texts, columns, on_error="zero", timeout=reward_timeout
+            )
+            completions += done.texts
+            prompts += done.prompts
+            steps += done.rollout.steps_taken.tolist()
+    finally:
+        bundle.model.train(was_training)
+    mean, ci = mean_ci95(scores)
+    return EvalResult(mean, ci, scores, completions, prompts, steps)

@@ -1,0 +1,129 @@
+"""The update half of a training step: per-token log-probs through the method's estimator (with
+SML), old-policy and reference log-probs, the loss, and the μ inner iterations of optimizer
+updates over the step's micro-batches (METHOD.md §4)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import Tensor
+
+from daca.core import likelihood, objectives
+from daca.train.rollout import RolloutBatch, seeded_generator
+
+
+class UpdateSteps:
+    """The update half of ``Trainer`` (a mixin: it reads the trainer's ``cfg``, ``method``,
+    ``acc``, ``model``, ``optimizer``, ``scheduler``, ``bundle`` and ``ref_model``)."""
+
+    def _token_logp(self, model, batch: RolloutBatch, seed: int) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs for the ratio (or wd1's likelihood) and the SML regulariser's."""
+        cfg, device, mask_id = self.cfg, batch.prompt_ids.device, self.bundle.mask_id
+        base = self.method.estimator(model, batch, cfg, seeded_generator(device, seed, 1), mask_id)
+        regulariser = self.method.sml == "regulariser"
+        if not cfg.sml.enabled or (regulariser and cfg.sml.eta == 0):
+            return base, None  # a regulariser of weight 0 would discard the K forwards
+        sml = likelihood.stratified_logp(
+            model,
+            batch.prompt_ids,
+            batch.completion_ids,
+            mask_id=mask_id,
+            attention_mask=batch.prompt_mask,
+            num_strata=cfg.sml.num_strata,
+            strata=cfg.sml.strata,
+            generator=seeded_generator(device, seed, 2),
+        )
+        if regulariser:
+            return base, sml
+        return objectives.sml_enriched(base, sml), None
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference policy: the adapter-disabled base under LoRA, else a frozen copy."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with self.acc.unwrap_model(self.model).disable_adapter():
+                yield self.model
+
+    def _diagnose(self, batch: RolloutBatch) -> str:
+        """Why a micro-batch's loss is not finite, with what to try."""
+        params = self.acc.unwrap_model(self.model).parameters()
+        if not all(torch.isfinite(p).all() for p in params):
+            return (
+                "the model's weights hold NaN or inf (go back to an earlier checkpoint and "
+                "lower learning_rate or max_grad_norm)"
+            )
+        if not bool(self._logp_finite):
+            return (
+                "non-finite log-probabilities: the model's logits hold NaN or inf (with bf16, "
+                "try fp32; lower learning_rate)"
+            )
+        if batch.multipliers is not None and not torch.isfinite(batch.multipliers).all():
+            return "non-finite DPS multipliers (the rollout's logits held NaN or inf)"
+        if not torch.isfinite(batch.advantages).all():
+            return "non-finite advantages (check the reward functions)"
+        return (
+            "a non-finite loss from finite log-probabilities and advantages (check psi, "
+            "epsilon and beta)"
+        )
+
+    def _loss(self, batch: RolloutBatch, it: int, seed: int) -> tuple[Tensor, dict]:
+        logp, sml = self._token_logp(self.model, batch, seed)
+        self._logp_finite = torch.isfinite(logp).all()  # read only to diagnose a bad loss
+        return self.method.loss(
+            self.cfg,
+            logp,
+            old_logp=batch.old_logp[it] if batch.old_logp else logp.detach(),
+            ref_logp=batch.ref_logp[it] if batch.ref_logp else None,
+            advantages=batch.advantages,
+            completion_mask=batch.completion_mask,
+            token_multipliers=batch.multipliers,
+            sml_logp=sml,
+        )
+
+    @torch.no_grad()
+    def _old_and_reference(self, batches: list[RolloutBatch], seeds: list[list[int]]) -> None:
+        """Old and reference log-probs once per rollout, with the μ iterations' mask seeds."""
+        for batch, batch_seeds in zip(batches, seeds, strict=True):
+            if len(batch_seeds) > 1:
+                batch.old_logp = [self._token_logp(self.model, batch, s)[0] for s in batch_seeds]
+            if self.cfg.beta > 0:
+                with self._reference() as ref:
+                    batch.ref_logp = [self._token_logp(ref, batch, s)[0] for s in batch_seeds]
+
+    def _inner_iterations(self, batches: list[RolloutBatch], seeds: list[list[int]], mu: int):
+        """μ optimizer updates on the step's rollouts, each accumulating gradients over the
+        micro-batches; a non-finite update is skipped on every rank alike.
+        Returns (per micro-batch metrics, the last gradient norm, whether any was skipped)."""
+        cfg = self.cfg
+        update_stats: list[dict] = []
+        skipped = False
+        for it in range(mu):
+            cause = ""
+            for m, batch in enumerate(batches):
+                # accumulate() divides the loss by gas and syncs gradients on the last micro-batch.
+                # Every rank runs every backward, even of a NaN loss: DDP's all-reduce needs all.
+                with self.acc.accumulate(self.model):
+                    loss, metrics = self._loss(batch, it, seeds[m][it])
+                    self.acc.backward(loss)
+                metrics = {k: float(v) for k, v in metrics.items()}
+                metrics["loss"] = loss.item()
+                update_stats.append(metrics)
+                if not cause and not math.isfinite(metrics["loss"]):
+                    cause = self._diagnose(batch)
+            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            if not cause and grad_norm is not None and not math.isfinite(float(grad_norm)):
+                cause = "non-finite gradients (lower learning_rate; with bf16, try fp32)"
+            # A non-finite update would poison the weights and AdamW's moments: skip it, on
+            # every rank alike (the loss is local; the gradient norm is already global).
+            if self._anywhere(bool(cause)):
+                skipped = True
+                self._nonfinite_cause = cause or "a non-finite loss on another process"
+            else:
+                self.optimizer.step()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return update_stats, grad_norm, skipped
