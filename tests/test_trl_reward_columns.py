@@ -17,18 +17,9 @@ from daca.tasks.sudoku import generate_puzzles  # noqa: E402
 G, PROMPTS, L = 2, 2, 16
 
 
-def test_reward_functions_receive_every_column_including_prompt(tiny_model_dir, tmp_path):
-    seen = []
-
-    def recording_reward(prompts, completions, prompt, entry_point, **columns):
-        seen.append({"prompts": prompts, "prompt": prompt, "entry_point": entry_point, **columns})
-        return [0.0] * len(completions)
-
-    rows = generate_puzzles(PROMPTS, seed=1)
-    data = datasets.Dataset.from_list(
-        [{"prompt": f"{r['puzzle']}=", "entry_point": f"f{i}", **r} for i, r in enumerate(rows)]
-    )
-    args = DACAGRPOConfig(
+def one_step_args(tmp_path, **overrides) -> DACAGRPOConfig:
+    """One TRL step of the tiny model on the CPU."""
+    kw = dict(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         bf16=False,
@@ -43,6 +34,21 @@ def test_reward_functions_receive_every_column_including_prompt(tiny_model_dir, 
         max_steps=1,
         seed=3,
     )
+    return DACAGRPOConfig(**(kw | overrides))
+
+
+def test_reward_functions_receive_every_column_including_prompt(tiny_model_dir, tmp_path):
+    seen = []
+
+    def recording_reward(prompts, completions, prompt, entry_point, **columns):
+        seen.append({"prompts": prompts, "prompt": prompt, "entry_point": entry_point, **columns})
+        return [0.0] * len(completions)
+
+    rows = generate_puzzles(PROMPTS, seed=1)
+    data = datasets.Dataset.from_list(
+        [{"prompt": f"{r['puzzle']}=", "entry_point": f"f{i}", **r} for i, r in enumerate(rows)]
+    )
+    args = one_step_args(tmp_path)
     trainer = DACAGRPOTrainer(
         str(tiny_model_dir), reward_funcs=recording_reward, args=args, train_dataset=data
     )
@@ -84,22 +90,7 @@ def test_humaneval_trains_through_the_trl_front_end(tiny_model_dir, tmp_path):
         pytest.skip(f"no sandbox: {e}")
     rows = task.load("test", limit=2)
     data = datasets.Dataset.from_list(rows)  # columns prompt, test, entry_point, ...
-    args = DACAGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        per_device_train_batch_size=G * PROMPTS,
-        num_generations=G,
-        gen_length=L,
-        steps=8,
-        block_length=8,
-        max_steps=1,
-        logging_steps=1,
-        seed=3,
-    )
+    args = one_step_args(tmp_path, logging_steps=1)
     trainer = DACAGRPOTrainer(
         str(tiny_model_dir), reward_funcs=task.reward_funcs, args=args, train_dataset=data
     )

@@ -1,0 +1,83 @@
+"""What the fast-rollout options change on the shipped tiny models: held-out accuracy and mean
+number of steps at temperature 0 with each option (no cache, the block KV cache, confidence-
+threshold parallel decoding), and the DPS multipliers of the same prompts with and without the
+cache (Spearman rank correlation over tokens, stride 2). See docs/rollouts.md.
+
+    python benchmarks/bench_rollout_quality.py                # sudoku and countdown, 200 each
+    python benchmarks/bench_rollout_quality.py --tasks countdown --limit 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from daca.core import dps
+from daca.models.loading import load
+from daca.shipped import tiny_for_task
+from daca.tasks import get_task
+from daca.tasks.rewards import score_completions
+from daca.train.config import GenerationConfig
+from daca.train.rollout import rollout
+
+SETTINGS = [
+    ("none", {}),
+    ("dual", {"cache": "dual"}),
+    ("prefix", {"cache": "prefix"}),
+    ("none τ0.9", {"parallel_threshold": 0.9}),
+    ("dual τ0.9", {"cache": "dual", "parallel_threshold": 0.9}),
+    ("none τ0.5", {"parallel_threshold": 0.5}),
+]
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra, rb = a.argsort().argsort().double(), b.argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def measure(name: str, limit: int) -> None:
+    bundle = load(tiny_for_task("tiny", name))
+    task = get_task(name)
+    rows = task.load(split="test", limit=limit, seed=0)
+    known = {f.name for f in dataclasses.fields(GenerationConfig)}
+    base = GenerationConfig(**{k: v for k, v in bundle.meta["generation"].items() if k in known})
+    columns = {c: [r.get(c) for r in rows] for c in task.columns}
+    print(f"{name}: {len(rows)} problems, L {base.gen_length}, {base.steps} steps, "
+          f"block {base.block_length}")  # fmt: skip
+    for label, options in SETTINGS:
+        done = rollout(bundle, task, rows, dataclasses.replace(base, **options), temperature=0.0)
+        scores = score_completions(task.score, done.texts, columns, on_error="zero", timeout=30)
+        steps = done.rollout.steps_taken.float().mean()
+        print(f"  {label:<10} accuracy {sum(scores) / len(scores):.3f}  mean steps {steps:.2f}  "
+              f"forwards {done.rollout.forwards}")  # fmt: skip
+    traced = {}
+    for cache in ("none", "dual"):
+        gen = dataclasses.replace(base, cache=cache)
+        done = rollout(bundle, task, rows, gen, temperature=0.0, dps_stride=2)
+        scores = score_completions(task.score, done.texts, columns, on_error="zero", timeout=30)
+        print(f"  {cache + ' s2':<10} accuracy {sum(scores) / len(scores):.3f}  "
+              f"forwards {done.rollout.forwards} (DPS stride 2)")  # fmt: skip
+        traced[cache] = done.rollout
+    a = dps.rollout_multipliers(traced["none"], lam=0.5).flatten()
+    b = dps.rollout_multipliers(traced["dual"], lam=0.5).flatten()
+    same = (traced["none"].completion_ids == traced["dual"].completion_ids).all(1).float().mean()
+    print(f"  DPS multipliers (stride 2) with vs without the cache: Spearman {spearman(a, b):.3f} "
+          f"over {a.numel()} tokens; identical completions {same:.3f}")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", nargs="*", default=["sudoku", "countdown"])
+    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    for name in args.tasks:
+        measure(name, args.limit)
+
+
+if __name__ == "__main__":
+    main()
