@@ -40,7 +40,7 @@ def rss() -> int:
 
 
 def random_tiny_model(folder: Path) -> Path:
-    """A small random model in the shipped tiny model's format (prompt width 20)."""
+    """A small random tiny LLaDA in the shipped models' format."""
     from transformers.utils import logging as hf_logging
 
     from daca.models.tiny import new_tiny, save_tiny

@@ -3,7 +3,7 @@
 Runs ``--steps`` training steps (default 500) of a small random model in the tiny model's
 format, each scoring its 8 completions with 8 sandboxed MBPP executions at once
 (``daca.tasks.mbpp.run_tests`` → ``daca.tasks.sandbox.run_many``, 8 workers). Completion i of a step
-runs the reference solution of a different MBPP problem (sanitized MBPP, /work/shared/data or
+runs the reference solution of a different MBPP problem (sanitized MBPP, ../shared/data or
 ``--mbpp``), broken by a ``raise`` when the model's completion holds an odd number of '1's:
 the reward (the share of asserts passed) depends on the model, so the updates run too.
 
@@ -29,19 +29,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_memory_leak import MIB, random_tiny_model, rss  # same folder
 
-MIB = 1024 * 1024
 EXECUTIONS = 8  # sandboxed programs per step, all at once
-MBPP = Path("/work/shared/data/mbpp/sanitized-mbpp.json")
-
-
-def rss() -> int:
-    """Resident memory of this process in bytes (VmRSS)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+MBPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp" / "sanitized-mbpp.json"
 
 
 def descendants(pid: int) -> list[int]:
@@ -124,16 +115,6 @@ def register_load_task(reward) -> None:
             columns=sudoku.columns,
         ),
     )
-
-
-def random_tiny_model(folder: Path) -> Path:
-    from transformers.utils import logging as hf_logging
-
-    from daca.models.tiny import new_tiny, save_tiny
-
-    hf_logging.disable_progress_bar()
-    model, tok = new_tiny(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
-    return save_tiny(folder, model, tok)
 
 
 def main() -> int:

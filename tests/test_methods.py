@@ -9,6 +9,7 @@ import pytest
 import torch
 from _tasks import sudoku_rows_task
 from conftest import random_mlm
+from test_trainer import _cfg as _trainer_cfg
 
 from daca import dps, generate
 from daca.tasks import register_task
@@ -24,27 +25,8 @@ G = 6
 
 
 def _cfg(model_dir, out, name, *overrides):
-    base = [
-        f"model={model_dir}",
-        f"output_dir={out}",
-        f"name={name}",
-        "task=ones",
-        "weight_decay=0.0",
-        "per_device_train_batch_size=12",
-        f"num_generations={G}",
-        "train_size=40",
-        "eval_size=4",
-        "eval_every=0",
-        "max_steps=2",
-        "save_rollouts_every=1",
-        "tensorboard=false",
-        "generation.steps=4",
-        "generation.gen_length=16",
-        "generation.block_length=8",
-        "dps.stride=1",
-        "learning_rate=1e-3",
-    ]
-    return load_config(None, base + list(overrides))
+    """test_trainer's short run, with a smaller held-out set."""
+    return _trainer_cfg(model_dir, out, name, "eval_size=4", *overrides)
 
 
 # ----------------------------------------------------------------- the registry
