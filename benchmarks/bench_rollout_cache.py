@@ -2,11 +2,14 @@
 
 A random LLaDA-architecture model (transformers' Llama run bidirectionally through
 ``daca.models.native``) generates one completion per prompt with ``cache`` "none", "prefix" and
-"dual", each without and with ``dps_stride`` (scope "all"). Printed per variant: the median
+"dual", each without and with ``dps_stride`` (scope "all"), and "dual" with the trace's
+``trace_refresh="suffix"`` (a recorded step recomputes only the block and its suffix). Printed
+per variant: the median
 process CPU time of the runs (one thread), its speed-up over "none" without the trace, the
 forwards the sampler ran (full / block) and the cost model's bound on that speed-up: the ratio
 of token-forwards, none's T (P + L) over the variant's sum of query lengths (a full forward
-P + L, a dual block step block_length, a prefix block step L - block start). Targets of the
+P + L, a dual block step block_length, a prefix block step or a suffix refresh L - block
+start). Targets of the
 issue at the full size: dual >= 4x, dual with s = 4 >= 2.5x.
 
     python benchmarks/bench_rollout_cache.py            # 8 layers, d 512, V 32k, L 256, T 128
@@ -38,15 +41,21 @@ def random_llada(layers, d, heads, vocab, positions, seed=0):
         return LLaDAForDiffusionLM(llama_config(hub)).eval()
 
 
-def cost_bound(P, L, T, bl, stride, mode):
-    """none's token-forwards over the variant's: a refresh at each block start and recorded
-    step costs P + L, any other step bl (dual) or L - block start (prefix)."""
+def cost_bound(P, L, T, bl, stride, mode, trace_refresh="full"):
+    """none's token-forwards over the variant's: a refresh at each block start (and at each
+    recorded step with trace_refresh "full") costs P + L; a suffix refresh and a prefix block
+    step L - block start; a dual block step bl."""
     k = T // (L // bl)
     total = 0
     for t in range(T):
         c, i = divmod(t, k)
-        refresh = mode == "none" or i == 0 or (stride is not None and t % stride == 0)
-        total += P + L if refresh else (bl if mode == "dual" else L - c * bl)
+        recorded = stride is not None and t % stride == 0
+        if mode == "none" or i == 0 or (recorded and trace_refresh == "full"):
+            total += P + L
+        elif recorded or mode == "prefix":
+            total += L - c * bl
+        else:
+            total += bl
     return T * (P + L) / total
 
 
@@ -65,26 +74,29 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, mask_id, (args.batch, P), generator=g)
     print(f"random LLaDA {size}, batch {args.batch}, one thread, median of {args.repeats}")
-    variants = [(m, s) for m in ("none", "prefix", "dual") for s in (None, args.stride)]
+    variants = [(m, s, "full") for m in ("none", "prefix", "dual") for s in (None, args.stride)]
+    variants.append(("dual", args.stride, "suffix"))
     times = {v: [] for v in variants}
     forwards = {}
     for _ in range(args.repeats):
-        for mode, stride in variants:
+        for v in variants:
+            mode, stride, trace_refresh = v
             t0 = time.process_time()
             out = generate(
                 model, prompt, mask_id=mask_id, gen_length=L, steps=T, block_length=bl,
-                cache=mode, dps_stride=stride,
+                cache=mode, dps_stride=stride, trace_refresh=trace_refresh,
             )  # fmt: skip
-            times[(mode, stride)].append(time.process_time() - t0)
-            forwards[(mode, stride)] = out.forwards
-    base = statistics.median(times[("none", None)])
-    print(f"{'variant':<18}{'CPU s':>8}{'speed-up':>10}{'bound':>8}  forwards (full/block)")
-    for mode, stride in variants:
-        t = statistics.median(times[(mode, stride)])
+            times[v].append(time.process_time() - t0)
+            forwards[v] = out.forwards
+    base = statistics.median(times[("none", None, "full")])
+    print(f"{'variant':<22}{'CPU s':>8}{'speed-up':>10}{'bound':>8}  forwards")
+    for v in variants:
+        mode, stride, trace_refresh = v
+        t = statistics.median(times[v])
         name = f"{mode}" + (f", s={stride}" if stride else "")
-        bound = cost_bound(P, L, T, bl, stride, mode)
-        f = forwards[(mode, stride)]
-        print(f"{name:<18}{t:>8.1f}{base / t:>9.2f}x{bound:>7.2f}x  {f['full']}/{f['block']}")
+        name += ", suffix" if trace_refresh == "suffix" else ""
+        bound = cost_bound(P, L, T, bl, stride, mode, trace_refresh)
+        print(f"{name:<22}{t:>8.1f}{base / t:>9.2f}x{bound:>7.2f}x  {forwards[v]}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What the fast-rollout options change on the shipped tiny models: held-out accuracy and mean
 number of steps at temperature 0 with each option (no cache, the block KV cache, confidence-
 threshold parallel decoding), and the DPS multipliers of the same prompts with and without the
-cache (Spearman rank correlation over tokens, stride 2). See docs/rollouts.md.
+cache (Spearman rank correlation over tokens, stride 2; recorded steps as full refreshes or as
+suffix refreshes, ``trace_refresh="suffix"``). See docs/rollouts.md.
 
     python benchmarks/bench_rollout_quality.py                # sudoku and countdown, 200 each
     python benchmarks/bench_rollout_quality.py --tasks countdown --limit 50
@@ -25,10 +26,18 @@ from daca.train.rollout import rollout
 SETTINGS = [
     ("none", {}),
     ("dual", {"cache": "dual"}),
+    ("dual r4", {"cache": "dual", "refresh_every": 4}),
+    ("dual r2", {"cache": "dual", "refresh_every": 2}),
     ("prefix", {"cache": "prefix"}),
     ("none τ0.9", {"parallel_threshold": 0.9}),
     ("dual τ0.9", {"cache": "dual", "parallel_threshold": 0.9}),
     ("none τ0.5", {"parallel_threshold": 0.5}),
+]
+
+TRACED = [  # with the DPS trace at stride 2; the first is the reference
+    ("none s2", {}),
+    ("dual s2", {"cache": "dual"}),
+    ("dual s2 sfx", {"cache": "dual", "trace_refresh": "suffix"}),
 ]
 
 
@@ -51,21 +60,26 @@ def measure(name: str, limit: int) -> None:
         done = rollout(bundle, task, rows, dataclasses.replace(base, **options), temperature=0.0)
         scores = score_completions(task.score, done.texts, columns, on_error="zero", timeout=30)
         steps = done.rollout.steps_taken.float().mean()
-        print(f"  {label:<10} accuracy {sum(scores) / len(scores):.3f}  mean steps {steps:.2f}  "
+        print(f"  {label:<11} accuracy {sum(scores) / len(scores):.3f}  mean steps {steps:.2f}  "
               f"forwards {done.rollout.forwards}")  # fmt: skip
     traced = {}
-    for cache in ("none", "dual"):
-        gen = dataclasses.replace(base, cache=cache)
+    for label, options in TRACED:
+        gen = dataclasses.replace(base, **options)
         done = rollout(bundle, task, rows, gen, temperature=0.0, dps_stride=2)
         scores = score_completions(task.score, done.texts, columns, on_error="zero", timeout=30)
-        print(f"  {cache + ' s2':<10} accuracy {sum(scores) / len(scores):.3f}  "
+        print(f"  {label:<11} accuracy {sum(scores) / len(scores):.3f}  "
               f"forwards {done.rollout.forwards} (DPS stride 2)")  # fmt: skip
-        traced[cache] = done.rollout
-    a = dps.rollout_multipliers(traced["none"], lam=0.5).flatten()
-    b = dps.rollout_multipliers(traced["dual"], lam=0.5).flatten()
-    same = (traced["none"].completion_ids == traced["dual"].completion_ids).all(1).float().mean()
-    print(f"  DPS multipliers (stride 2) with vs without the cache: Spearman {spearman(a, b):.3f} "
-          f"over {a.numel()} tokens; identical completions {same:.3f}")  # fmt: skip
+        traced[label] = done.rollout
+    plain = traced[TRACED[0][0]]
+    a = dps.rollout_multipliers(plain, lam=0.5)
+    for label, _ in TRACED[1:]:
+        b = dps.rollout_multipliers(traced[label], lam=0.5)
+        same = (plain.completion_ids == traced[label].completion_ids).all(1)
+        # on the rows whose completions agree, what differs is only the trace's logits
+        agree = spearman(a[same].flatten(), b[same].flatten()) if same.sum() > 1 else float("nan")
+        print(f"  DPS multipliers (stride 2), {label} vs none: Spearman "
+              f"{spearman(a.flatten(), b.flatten()):.3f} over {a.numel()} tokens; identical "
+              f"completions {same.float().mean():.3f}, Spearman on those {agree:.3f}")  # fmt: skip
 
 
 def main() -> None:

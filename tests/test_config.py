@@ -50,6 +50,8 @@ def test_overrides_reach_nested_fields_and_convert_types():
         (["dps=3"], "dps: expected a mapping"),
         (["novalue"], "expected key=value"),
         (["load_in_4bit=true"], "load_in_4bit needs lora.enabled"),
+        (["generation.refresh_every=0"], "generation.refresh_every must be >= 1"),
+        (["generation.trace_refresh=prefix"], "generation.trace_refresh: 'prefix' is not one of"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

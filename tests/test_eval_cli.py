@@ -125,3 +125,22 @@ def test_eval_of_a_folder_that_is_no_model_is_one_line(tmp_path, capsys):
     assert main(["eval", "--task", "sudoku", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_eval_cache_refreshed_every_step_changes_no_completion(tmp_path, capsys):
+    """The shipped LLaDA model through ``daca eval``: ``--cache dual --refresh-every 1`` is the
+    uncached sampler to the token; a refresh per rollout (one block) is an approximation."""
+    outputs = {}
+    for name, flags in {
+        "none": [],
+        "dual1": ["--cache", "dual", "--refresh-every", "1"],
+        "dual": ["--cache", "dual"],
+    }.items():
+        out = tmp_path / f"{name}.jsonl"
+        args = ["eval", "--task", "sudoku", "--model", "tiny", "--limit", "16", "--out", str(out)]
+        assert main([*args, "--device", "cpu", *flags]) == 0
+        outputs[name] = [json.loads(x)["completion"] for x in out.open()]
+    assert "cache=dual, refresh_every=1" in capsys.readouterr().out
+    assert outputs["dual1"] == outputs["none"]
+    assert outputs["dual"] != outputs["none"]
+    assert main(["eval", "--task", "sudoku", "--cache", "dual", "--refresh-every", "0"]) == 2

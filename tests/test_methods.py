@@ -54,6 +54,15 @@ def test_config_compare_and_memory_read_the_registry():
     assert rows["gdpo"] == 1.5 * rows["wd1"]
 
 
+def test_quick_grid_runs_every_registered_method():
+    from daca.cli.compare import grid_methods
+
+    assert grid_methods(None, quick=True) == list(METHODS)
+    assert "coupled_grpo" in grid_methods(None, quick=True)
+    assert grid_methods(None, quick=False) == ["diffu_grpo", "wd1", "gdpo"]
+    assert grid_methods("wd1, gdpo", quick=True) == ["wd1", "gdpo"]
+
+
 def test_compare_variants_are_the_config_switches(tmp_path):
     for name, overrides in compare.VARIANTS.items():
         cfg = load_config(None, overrides)

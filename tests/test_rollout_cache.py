@@ -130,6 +130,81 @@ def test_cache_counts_match_the_cost_model(llada):
     assert none.forwards == {"full": 16, "block": 0}
 
 
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_refresh_every_step_equals_none(llada, mode):
+    """refresh_every=1 refreshes at every step: the cache changes no token, in one long block."""
+    model, mask_id, V = llada
+    ids, mask = left_padded(V - 1, [4, 7])
+    kw = dict(mask_id=mask_id, gen_length=12, steps=6, block_length=12, temperature=0.8)
+    none = generate(model, ids, mask, generator=torch.Generator().manual_seed(5), **kw)
+    cached = generate(
+        model, ids, mask, generator=torch.Generator().manual_seed(5), cache=mode,
+        refresh_every=1, **kw,
+    )  # fmt: skip
+    assert torch.equal(cached.sequences, none.sequences)
+    assert torch.equal(cached.birth_step, none.birth_step)
+    assert cached.forwards == {"full": 6, "block": 0}
+
+
+def test_refresh_every_counts(llada):
+    """Refreshes at block starts, every n-th step of a block and recorded steps, no more."""
+    model, mask_id, V = llada
+    ids, mask = left_padded(V - 1, [4, 4])
+    kw = dict(mask_id=mask_id, gen_length=16, steps=16, block_length=8, cache="dual")
+    # 2 blocks of 8 steps; n = 3 refreshes at i = 0, 3, 6 of each block
+    assert generate(model, ids, mask, refresh_every=3, **kw).forwards == {"full": 6, "block": 10}
+    # with s = 4 the recorded steps 0, 4, 8, 12 add i = 4 of each block (i = 0 is one already)
+    out = generate(model, ids, mask, refresh_every=3, dps_stride=4, **kw)
+    assert out.forwards == {"full": 8, "block": 8}
+
+
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_suffix_refresh_is_exact_on_an_unchanged_prefix(llada, mode):
+    """A suffix refresh recomputes the block and its suffix against the cached prefix: on the
+    x of the last full refresh it gives the full forward's logits, and the dual cache it leaves
+    gives the full forward's logits at the next block step (also after tokens change there)."""
+    model, mask_id, V = llada
+    ids, mask = left_padded(V - 1, [3, 6, 5])
+    P, L, bl = ids.shape[1], 12, 4
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([ids, torch.randint(4, V - 1, (3, L), generator=g)], 1)
+    x[:, P + 5 :: 2] = mask_id
+    attn = torch.cat([mask, torch.ones(3, L, dtype=torch.long)], 1)
+    with torch.no_grad():
+        full = model(x, attention_mask=attn).logits
+        lo, hi = bl, 2 * bl
+        cache = BlockCache(model, mode, attn, P, P + L)
+        cache.refresh(x, lo, hi, L)
+        part = cache.refresh_suffix(x, lo, hi, L)
+        torch.testing.assert_close(part, full[:, P + lo :], atol=1e-5, rtol=1e-5)
+        step = cache.block(x, lo, hi)
+        torch.testing.assert_close(step, full[:, P + lo : P + hi], atol=1e-5, rtol=1e-5)
+        # the suffix changes after the full refresh: a suffix refresh sees the new tokens, and
+        # a dual block step then reads the suffix keys it stored (the same block logits)
+        y = x.clone()
+        y[:, P + hi :] = torch.randint(4, V - 1, (3, L - hi), generator=g)
+        part = cache.refresh_suffix(y, lo, hi, L)
+        assert not torch.allclose(part, full[:, P + lo :], atol=1e-3)
+        if mode == "dual":
+            step = cache.block(y, lo, hi)
+            torch.testing.assert_close(step, part[:, :bl], atol=1e-5, rtol=1e-5)
+
+
+def test_suffix_refresh_counts_and_keeps_the_trace_masks(llada):
+    """trace_refresh="suffix": recorded steps that are not block starts run a suffix forward;
+    the trace records the same positions (the masks are the sampler's, not the cache's)."""
+    model, mask_id, V = llada
+    ids, mask = left_padded(V - 1, [5, 3])
+    kw = dict(mask_id=mask_id, gen_length=16, steps=16, block_length=8, dps_stride=2)
+    out = generate(model, ids, mask, cache="dual", trace_refresh="suffix", **kw)
+    # blocks start at steps 0 and 8 (both recorded); recorded 2, 4, 6, 10, 12, 14 are suffix
+    assert out.forwards == {"full": 2, "block": 8, "suffix": 6}
+    assert out.progress_mask.shape[1] == 8
+    for j, r in enumerate(range(0, 16, 2)):
+        x = x_at(out, r, mask_id)
+        assert torch.equal(out.progress_mask[:, j], x[:, ids.shape[1] :] == mask_id)
+
+
 def test_a_model_without_a_cache_is_named():
     with pytest.raises(ValueError, match="ModernBertForMaskedLM"):
         generate(
@@ -142,6 +217,8 @@ def test_a_model_without_a_cache_is_named():
     "kw,message",
     [
         (dict(cache="kv"), "cache must be one of"),
+        (dict(cache="dual", refresh_every=0), "refresh_every"),
+        (dict(cache="dual", trace_refresh="prefix"), "trace_refresh"),
         (dict(parallel_threshold=1.5), "parallel_threshold"),
         (dict(parallel_threshold=0.9, remasking="random"), "low_confidence"),
         (dict(parallel_threshold=0.9, dps_stride=2, dps_scope="block"), "fixed schedule"),

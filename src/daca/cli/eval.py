@@ -35,6 +35,11 @@ def add_generation_arguments(p) -> None:
         help="block KV cache (docs/rollouts.md); default the model's setting, else none",
     )
     p.add_argument(
+        "--refresh-every",
+        type=int,
+        help="with --cache, also refresh the cache at every N-th step of a block",
+    )
+    p.add_argument(
         "--parallel-threshold",
         type=float,
         help="commit every masked block position more confident than this (e.g. 0.9)",
@@ -63,6 +68,8 @@ def _generation(args, bundle) -> GenerationConfig:
         cfg_scale=base.cfg_scale,
         remasking=base.remasking,
         cache=args.cache or base.cache,
+        refresh_every=base.refresh_every if args.refresh_every is None else args.refresh_every,
+        trace_refresh=base.trace_refresh,
         parallel_threshold=(
             base.parallel_threshold if args.parallel_threshold is None else args.parallel_threshold
         ),
@@ -129,7 +136,7 @@ def run(args) -> int:
     print(
         f"{args.task}: {res.mean:.4f} ± {res.ci95:.4f} (95 % interval, n={len(res.scores)}, "
         f"L={gen.gen_length}, steps={gen.steps}, block={gen.block_length}, "
-        f"temperature={args.temperature}, cache={gen.cache}, "
+        f"temperature={args.temperature}, cache={gen.cache}, refresh_every={gen.refresh_every}, "
         f"parallel_threshold={gen.parallel_threshold}, mean steps "
         f"{sum(res.steps) / max(len(res.steps), 1):.2f}); per-example lines in {out}"
     )

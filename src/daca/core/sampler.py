@@ -24,6 +24,7 @@ from daca.core.modeling import forward_logits, full_attention_mask
 REMASKING = ("low_confidence", "random")
 SCOPES = ("all", "block")
 CACHES = ("none", "prefix", "dual")
+TRACE_REFRESHES = ("full", "suffix")
 
 
 @dataclass
@@ -411,13 +412,39 @@ class BlockCache:
         self.cache = DynamicCache(config=self.base.config)
         keep = torch.arange(a, self.P + end, device=inp.device)
         logits = self._call(inp, self.attn, self.pos, keep)[:, self.P + lo - a :]
-        if self.mode == "prefix":
-            self.cache.crop(-(inp.shape[1] - a))
-        else:
-            cut = lambda t: torch.cat([t[..., :a, :], t[..., self.P + hi :, :]], dim=-2)  # noqa: E731
-            layers = [(cut(layer.keys), cut(layer.values)) for layer in self.cache.layers]
-            self.cache = DynamicCache(layers, config=self.base.config)
         self.a, self.hi = a, hi
+        self._keep_outside_query()
+        return logits
+
+    def _crop_to(self, length: int) -> None:
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:  # transformers' crop takes the number of positions to drop, negated
+            self.cache.crop(-extra)
+
+    def _keep_outside_query(self) -> None:
+        """From a cache of every position, keep what later block steps do not recompute:
+        the prefix (positions before ``a``), and for ``dual`` the suffix after the block."""
+        from transformers import DynamicCache
+
+        a, cut_from = self.a, self.P + self.hi
+        if self.mode == "prefix":
+            self._crop_to(a)
+            return
+        cut = lambda t: torch.cat([t[..., :a, :], t[..., cut_from:, :]], dim=-2)  # noqa: E731
+        layers = [(cut(layer.keys), cut(layer.values)) for layer in self.cache.layers]
+        self.cache = DynamicCache(layers, config=self.base.config)
+
+    def refresh_suffix(self, inp: Tensor, lo: int, hi: int, end: int) -> Tensor:
+        """A partial refresh (``trace_refresh="suffix"``): the block and everything after it
+        recomputed against the cached prompt and earlier blocks (kept from the last full
+        refresh); logits of positions lo..end-1. ``dual`` then caches the new suffix keys."""
+        a, P = self.P + lo - (self.shift if self.P + lo > 0 else 0), self.P
+        if a != self.a or hi != self.hi:
+            raise RuntimeError("BlockCache.refresh_suffix called for another block's cache")
+        self._crop_to(a)  # dual: [prefix, suffix] -> prefix; prefix mode holds only the prefix
+        keep = torch.arange(0, P + end - a, device=inp.device)
+        logits = self._call(inp[:, a:], self.attn, self.pos[:, a:], keep)[:, P + lo - a :]
+        self._keep_outside_query()
         return logits
 
     def block(self, inp: Tensor, lo: int, hi: int) -> Tensor:
@@ -433,6 +460,17 @@ class BlockCache:
         logits = self._call(inp[:, a:end], mask, self.pos[:, a:end], keep)[:, P + lo - a :]
         self.cache.crop(-(end - a))
         return logits
+
+
+def _forward_kind(block_cache, i: int, traced: bool, refresh_every, trace_refresh) -> str:
+    """Which forward a step runs (docs/rollouts.md): "full" (no cache, a block start, every
+    ``refresh_every``-th step of a block, a recorded step), "suffix" (a recorded step with
+    ``trace_refresh="suffix"``) or "block"."""
+    if block_cache is None or i == 0 or (refresh_every is not None and i % refresh_every == 0):
+        return "full"
+    if traced:
+        return "full" if trace_refresh == "full" else "suffix"
+    return "block"
 
 
 def _check_arguments(prompt_ids, attention_mask, gen_length, steps, block_length, opts) -> None:
@@ -459,6 +497,13 @@ def _check_arguments(prompt_ids, attention_mask, gen_length, steps, block_length
         raise ValueError(f"dps_scope must be one of {SCOPES}, got {opts['dps_scope']!r}")
     if opts["cache"] not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {opts['cache']!r}")
+    every = opts["refresh_every"]
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"refresh_every must be None or an integer >= 1, got {every!r}")
+    if opts["trace_refresh"] not in TRACE_REFRESHES:
+        raise ValueError(
+            f"trace_refresh must be one of {TRACE_REFRESHES}, got {opts['trace_refresh']!r}"
+        )
     stride, threshold = opts["dps_stride"], opts["parallel_threshold"]
     if stride is not None:
         if isinstance(stride, bool) or stride < 1:
@@ -503,6 +548,8 @@ def generate(
     dps_stride: int | None = None,
     dps_scope: str = "all",
     cache: str = "none",
+    refresh_every: int | None = None,
+    trace_refresh: str = "full",
     parallel_threshold: float | None = None,
 ) -> Rollout:
     """Sample completions with LLaDA's semi-autoregressive remasking sampler (METHOD.md §1).
@@ -533,7 +580,13 @@ def generate(
     counted in token-forwards (every per-layer cost scales with the query length):
     none 128 full = 49152; dual 8 full + 120 block = 6912 (bound 7.1x), with s = 4
     32 full + 96 block = 15360 (3.2x); prefix 8 full + 120 x (block + suffix, mean 144) = 20352
-    (2.4x), with s = 4 26112 (1.9x).
+    (2.4x), with s = 4 26112 (1.9x). ``refresh_every=n`` adds a full refresh at every n-th step
+    of a block (steps i = 0, n, 2n, ...): a bound on staleness for decoding in one long block,
+    where a refresh per block is a single one. ``trace_refresh="suffix"`` makes a recorded step
+    that is not a refresh anyway reuse the cached prompt and earlier blocks and recompute only
+    the block and its suffix (``Rollout.forwards["suffix"]``): dual s = 4 above becomes 8 full +
+    24 suffix + 96 block = 9600 (5.1x), and the recorded logits are approximate in the prefix
+    keys.
 
     parallel_threshold=τ: each step commits every masked position of the current block whose
     confidence exceeds τ, at least one and at least what LLaDA's schedule still owes (so no block
@@ -550,6 +603,8 @@ def generate(
         dps_scope=dps_scope,
         dps_stride=dps_stride,
         cache=cache,
+        refresh_every=refresh_every,
+        trace_refresh=trace_refresh,
         parallel_threshold=parallel_threshold,
         temperature=temperature,
         cfg_scale=cfg_scale,
@@ -569,7 +624,7 @@ def generate(
     birth = torch.full((B, L), -1, dtype=torch.long, device=device)
     clock = torch.zeros(B, dtype=torch.long, device=device)  # each row's own step t_b
     everyone = torch.ones(B, dtype=torch.bool, device=device)
-    forwards = {"full": 0, "block": 0}
+    forwards = {"full": 0, "block": 0} | ({"suffix": 0} if trace_refresh == "suffix" else {})
     recorder = None
     if dps_stride is not None:
         recorder = TraceRecorder(
@@ -599,20 +654,18 @@ def generate(
                 reach = recorder.reach_block(t, c)
             # only the current block's logits decide commits; the trace may need later blocks
             end = (reach + 1) * bl
-            refresh = (
-                block_cache is None
-                or i == 0
-                or reach > c
-                or bool(recorded is not None and recorded.any())
-            )
+            traced = bool(recorded is not None and recorded.any())
+            kind = _forward_kind(block_cache, i, traced, refresh_every, trace_refresh)
             inp = x if cfg_scale == 0 else torch.cat([x, torch.cat([un_prompt, x[:, P:]], 1)])
             if block_cache is None:
                 logits = forward_logits(model, inp, attn)[:, P + lo : P + end]
-            elif refresh:
+            elif kind == "full":
                 logits = block_cache.refresh(inp, lo, hi, end)
+            elif kind == "suffix":
+                logits = block_cache.refresh_suffix(inp, lo, hi, end)
             else:
                 logits = block_cache.block(inp, lo, hi)
-            forwards["full" if refresh else "block"] += 1
+            forwards[kind] += 1
             if cfg_scale > 0:
                 logits = guided_logits(logits[:B], logits[B:], cfg_scale)
             # candidates and confidences only where they can be committed: masked block positions

@@ -39,6 +39,12 @@ class GenerationConfig:
     cache: Literal["none", "prefix", "dual"] = _f(
         "none", "block KV cache of the rollouts, refreshed at every recorded DPS step (rollouts.md)"
     )
+    refresh_every: int | None = _f(
+        None, "with a cache, also refresh it at every n-th step of a block (docs/rollouts.md)"
+    )
+    trace_refresh: Literal["full", "suffix"] = _f(
+        "full", "with a cache, a recorded DPS step runs a full forward, or only block + suffix"
+    )
     parallel_threshold: float | None = _f(
         None, "commit every masked block position more confident than this (docs/rollouts.md)"
     )
@@ -362,6 +368,11 @@ def check_sampling(
     )
     temperature = key("generation", "temperature")
     _need(g.temperature >= 0, f"{temperature} must be >= 0, got {g.temperature}")
+    every = g.refresh_every
+    _need(
+        every is None or every >= 1,
+        f"{key('generation', 'refresh_every')} must be >= 1 (or null), got {every}",
+    )
     tau, threshold = g.parallel_threshold, key("generation", "parallel_threshold")
     _need(tau is None or 0 <= tau <= 1, f"{threshold} must lie in [0, 1] (or null), got {tau}")
     _need(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
@@ -42,6 +42,15 @@ def derive_seed(*parts: int) -> int:
 
 def seeded_generator(device, *parts: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+
+
+def sampler_options(gen: GenerationConfig, temperature: float | None = None) -> dict:
+    """``generate``'s sampler keywords from ``gen`` (its fields are named as the keywords);
+    ``temperature`` overrides the config's (evaluation samples at 0)."""
+    options = asdict(gen)
+    if temperature is not None:
+        options["temperature"] = temperature
+    return options
 
 
 @dataclass
@@ -104,17 +113,10 @@ def rollout(
         prompt_ids,
         prompt_mask,
         mask_id=bundle.mask_id,
-        gen_length=gen.gen_length,
-        steps=gen.steps,
-        block_length=gen.block_length,
-        temperature=gen.temperature if temperature is None else temperature,
-        cfg_scale=gen.cfg_scale,
-        remasking=gen.remasking,
+        **sampler_options(gen, temperature),
         generator=generator,
         dps_stride=dps_stride,
         dps_scope=dps_scope,
-        cache=gen.cache,
-        parallel_threshold=gen.parallel_threshold,
     )
     texts = decode_completions(bundle, out.completion_ids.cpu())
     return Generated(texts, out, prompt_mask, prompts, cut)
