@@ -1,8 +1,16 @@
 """Grid bookkeeping of ``daca compare`` and the pictures of ``daca inspect``."""
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+from _launch import descendants
 
 from daca.cli import main
 from daca.train import compare
@@ -144,3 +152,42 @@ def test_inspect_renders_png_and_html(grid, capsys):
     assert (run / "inspect" / "rollout-step-2.png").stat().st_size > 1000
     assert main(["inspect", str(run), "--step", "99"]) == 2
     assert "recorded: [1, 2]" in capsys.readouterr().err
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a parent that no longer reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_terminated_grid_leaves_no_worker_running(tiny_model_dir, tmp_path):
+    """SIGTERM to ``daca compare --jobs 2``: its two cell workers end with it (they used to
+    train on, unseen); the cells stay resumable."""
+    out = tmp_path / "grid"
+    cmd = [
+        sys.executable, "-m", "daca.cli", "compare", "--jobs", "2", "--methods", "wd1",
+        "--variants", "base,dps", "--seeds", "1", "--steps", "1000", "--out", str(out),
+        f"model={tiny_model_dir}", "per_device_train_batch_size=12", "train_size=24",
+        "eval_size=6", "tensorboard=false", "generation.steps=4", "dps.stride=1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("sudoku/runs/*/metrics.jsonl"))) < 2:  # both cells training
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        workers = descendants(proc.pid)
+        assert len(workers) >= 2
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers)
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

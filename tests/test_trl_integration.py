@@ -271,3 +271,67 @@ def test_reference_model_is_loaded_through_daca(tiny_model_dir, tmp_path):
         ref.state_dict().items(), policy.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"method": "grpo"}, "coupled_grpo"),  # the message names the registry's methods
+        ({"method": "diffu_grpo", "loss_type": "grpo"}, "loss_type"),
+        ({"method": "diffu_grpo", "epsilon_high": 0.3}, "epsilon_high"),
+        ({"method": "diffu_grpo", "top_entropy_quantile": 0.5}, "top_entropy_quantile"),
+        ({"method": "diffu_grpo", "scale_rewards": "batch"}, "scale_rewards"),
+        ({"method": "wd1", "num_iterations": 2}, "num_iterations=1"),
+        ({"method": "wd1", "beta": 0.04}, "beta=0"),
+        ({"method": "gdpo", "quadrature": "simpson"}, "quadrature"),
+        ({"method": "diffu_grpo", "p_mask_prompt": 1.0}, "p_mask_prompt"),  # daca's [0, 1)
+        (  # a micro-batch of whole groups (TRL asks it only of the generation batch)
+            {"method": "wd1", "per_device_train_batch_size": 3, "num_generations": 2}
+            | {"gradient_accumulation_steps": 2},
+            "not a multiple of num_generations",
+        ),
+        ({"psi": 2.0}, "method="),  # read by no TRL loss
+        ({"sml_eta": 0.5}, "method="),
+    ],
+)
+def test_method_config_rejects_what_would_not_apply(tmp_path, bad, match):
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    kw["activation_checkpointing"] = False
+    with pytest.raises(ValueError, match=match):
+        DACAGRPOConfig(**kw, **bad)
+
+
+def test_method_fields_are_daca_train_fields(tmp_path):
+    """psi and quadrature are TrainConfig's fields (default and help), and train_config() is
+    the daca train config of the flat fields."""
+    import dataclasses
+
+    from daca.train.config import TrainConfig
+
+    ours = {f.name: f for f in dataclasses.fields(DACAGRPOConfig)}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("psi", "quadrature", "p_mask_prompt"):
+            assert (ours[f.name].default, ours[f.name].metadata) == (f.default, f.metadata)
+    args = DACAGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+        activation_checkpointing=False, method="wd1", psi=2.0, sml_enabled=True, sml_eta=0.3,
+        num_generations=3, per_device_train_batch_size=6, dps_lam=0.25, scale_rewards="none",
+    )  # fmt: skip
+    cfg = args.train_config()
+    assert (cfg.method, cfg.psi, cfg.sml.eta, cfg.dps.lam) == ("wd1", 2.0, 0.3, 0.25)
+    assert (cfg.num_generations, cfg.per_device_train_batch_size, cfg.scale_rewards) == (
+        3,
+        6,
+        "none",
+    )
+
+
+def test_method_mode_evaluates(tiny_model_dir, tmp_path):
+    """TRL's evaluation with method=: one micro-batch, the method's loss and its metrics."""
+    trainer, _ = make_trainer(
+        tiny_model_dir, tmp_path, method="wd1", num_iterations=1, beta=0.0, sml_enabled=True,
+        sml_eta=0.5, per_device_eval_batch_size=G * PROMPTS,
+    )  # fmt: skip
+    metrics = trainer.evaluate(trainer.train_dataset)
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"])) and metrics["eval_loss"] != 0
+    assert {"eval_sml_logp_mean", "eval_logp_mean", "eval_dps/multiplier_std"} <= set(metrics)

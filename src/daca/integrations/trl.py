@@ -12,11 +12,20 @@ loss, logging and checkpointing, and swaps in the three things a masked diffusio
 - advantages: TRL's group advantage A times the DPS multiplier (1 + λ δ̄_{J(n)}) of each token
   (METHOD.md §2), passed to TRL's loss as a [B, L] tensor, which TRL's ``_compute_loss`` accepts.
 
+With ``DACAGRPOConfig(method=...)`` (a base method of ``daca.train.methods.METHODS``) the
+front-end computes every micro-batch as ``daca train`` does, through the same functions
+(``daca.train.update``): the method's estimator (with SML), group advantages with its baseline
+times the DPS multipliers, old and reference log-probs per inner iteration, its loss, and the
+native trainer's seeds for the sampler and the masks; TRL keeps the data, the reward functions,
+the optimizer loop, logging and checkpoints (docs/trl.md, "One method, two front-ends").
+
 TRL internals overridden (private, hence the exact pin ``trl==1.16.0``):
 ``_generate_single_turn`` (the sampler), ``_generate`` (full completions and the loss mask),
-``_generate_and_score_completions`` (DPS, per-iteration old/reference log-probs),
-``_get_per_token_logps_and_entropies`` (the estimators), ``_compute_loss`` (selects the
-inner iteration's masks, then runs TRL's own loss unchanged) and ``_save`` (``daca.json``).
+``_calculate_rewards`` (keeps the rewards for ``method``), ``_prepare_inputs`` (``method``:
+micro-batches in order), ``_generate_and_score_completions`` (DPS, per-iteration old/reference
+log-probs), ``_get_per_token_logps_and_entropies`` (the estimators), ``_compute_loss`` (selects
+the inner iteration's masks, then runs TRL's own loss unchanged, or the method's loss) and
+``_save`` (``daca.json``).
 
 Completions are kept at their full length L as the sampler produced them (the likelihood views
 need every position); tokens after the first end-of-sequence token are left out of the loss
@@ -48,12 +57,23 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from daca.core.dps import step_multipliers
 from daca.core.likelihood import mean_field_logp, strata_assignment, stratified_logp
-from daca.core.objectives import sml_enriched
-from daca.core.sampler import generate
+from daca.core.objectives import group_advantages, sml_enriched
+from daca.core.sampler import Rollout, generate
 from daca.models.loading import LoadedModel, load, write_meta
 from daca.models.prompts import left_pad as left_pad_lists
 from daca.models.prompts import up_to_eos
-from daca.train.config import DPSConfig, GenerationConfig, SMLConfig, check_sampling, from_dict
+from daca.train.config import (
+    DPSConfig,
+    GenerationConfig,
+    SMLConfig,
+    TrainConfig,
+    check_sampling,
+    from_dict,
+    validate,
+)
+from daca.train.methods import METHODS
+from daca.train.rollout import RolloutBatch, sampler_generator
+from daca.train.update import mask_seed, method_loss, old_and_reference, token_logp
 
 TRL_VERSION = "1.16.0"
 if trl.__version__ != TRL_VERSION:
@@ -68,30 +88,73 @@ def _f(default, help: str):
 
 
 # The config sections whose fields DACAGRPOConfig carries, flat, under a prefix: the sampler's
-# under their own names, DPS's and SML's as dps_* and sml_* (SML's wd1-only eta: no wd1 here).
+# under their own names, DPS's and SML's as dps_* and sml_*.
 SECTIONS = {
     "generation": ("", GenerationConfig),
     "dps": ("dps_", DPSConfig),
     "sml": ("sml_", SMLConfig),
 }
-_LEFT_OUT = {("sml", "eta")}
+# TrainConfig's own fields that the registry's estimators and losses read and GRPOConfig lacks,
+# carried under their names.
+TOP_LEVEL = ("p_mask_prompt", "psi", "quadrature")
+# Fields that only ``method=`` reads (TRL's loss reads none of them).
+METHOD_ONLY = ("psi", "quadrature", "sml_eta")
+# TrainConfig's fields that ``DACAGRPOConfig.train_config`` takes from this config (TRL's own
+# fields of the same name and meaning, and TOP_LEVEL's); the sections come from SECTIONS.
+TRAIN_FIELDS = (
+    "method",
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_iterations",
+    "beta",
+    "epsilon",
+    "scale_rewards",
+    "seed",
+    *TOP_LEVEL,
+)
+# TRL's options of its own loss and advantages: with ``method=`` the method's replace them, so
+# a value other than TRL's default would silently not apply.
+TRL_LOSS_OPTIONS = (
+    "loss_type",
+    "epsilon_high",
+    "delta",
+    "importance_sampling_level",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "off_policy_mask_threshold",
+    "multi_objective_aggregation",
+)
 
 
 def _flat_name(section: str, name: str) -> str:
     return SECTIONS[section][0] + name
 
 
-def _with_sections(cls):
-    """Add every field of ``SECTIONS`` to ``cls`` (before ``@dataclass``): name, type, default and
-    help from the section's dataclass, so that there is one source of truth for them."""
-    for section, (prefix, source) in SECTIONS.items():
+def _carried():
+    """(flat name, source field, type) of every daca field that DACAGRPOConfig carries."""
+    for prefix, source in SECTIONS.values():
         hints = typing.get_type_hints(source)
         for f in dataclasses.fields(source):
-            if (section, f.name) in _LEFT_OUT:
-                continue
-            cls.__annotations__[prefix + f.name] = hints[f.name]
-            setattr(cls, prefix + f.name, field(default=f.default, metadata=dict(f.metadata)))
+            yield prefix + f.name, f, hints[f.name]
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in TOP_LEVEL:
+            yield f.name, f, hints[f.name]
+
+
+def _with_sections(cls):
+    """Add every field of ``SECTIONS`` and ``TOP_LEVEL`` to ``cls`` (before ``@dataclass``): name,
+    type, default and help from daca's dataclass, so that there is one source of truth for them."""
+    for name, f, hint in _carried():
+        cls.__annotations__[name] = hint
+        setattr(cls, name, field(default=f.default, metadata=dict(f.metadata)))
     return cls
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
 @dataclass
@@ -105,27 +168,71 @@ class DACAGRPOConfig(GRPOConfig):
     ``temperature``, ``cfg_scale``, ``remasking``, ``cache``, ``parallel_threshold``), DPS's
     (``dps_enabled``, ``dps_lam``, ``dps_stride``, ...) and SML's (``sml_enabled``,
     ``sml_num_strata``, ``sml_strata``) are those of ``daca.train.config``'s ``GenerationConfig``,
-    ``DPSConfig`` and ``SMLConfig`` (defaults, help and validation), flattened. Unset
-    ``mask_id`` / ``prompt_width`` are read from the model loaded by ``daca.models.load`` (when
-    the trainer is given a name or path) or the tokenizer.
+    ``DPSConfig`` and ``SMLConfig`` (defaults, help and validation), flattened, and so are
+    ``p_mask_prompt``, ``psi`` and ``quadrature`` of ``TrainConfig``. Unset ``mask_id`` /
+    ``prompt_width`` are read from the model loaded by ``daca.models.load`` (when the trainer is
+    given a name or path) or the tokenizer. ``method`` (a name of
+    ``daca.train.methods.METHODS``) computes each micro-batch as ``daca train`` does, with
+    ``train_config()``'s values; None keeps TRL's loss on the mean-field log-probs.
     """
 
     mask_id: int | None = _f(None, "mask token id (None: the loaded model's or the tokenizer's)")
     prompt_width: int | None = _f(
         None, "left pad every prompt to exactly this width (models with absolute positions)"
     )
-    p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
+    method: str | None = _f(
+        None,
+        "a base method of daca.train.methods.METHODS: its estimator, advantages and loss, as "
+        "`daca train` computes them (docs/trl.md); None: TRL's loss on mean-field log-probs",
+    )
 
     def section(self, name: str):
         """The ``daca.train.config`` dataclass of section ``name`` ("generation", "dps", "sml")
         with this config's values, type-checked (a ConfigError names the flat field)."""
         prefix, source = SECTIONS[name]
-        values = {
-            f.name: getattr(self, prefix + f.name)
-            for f in dataclasses.fields(source)
-            if (name, f.name) not in _LEFT_OUT
-        }
+        values = {f.name: getattr(self, prefix + f.name) for f in dataclasses.fields(source)}
         return from_dict(source, values, prefix)
+
+    def train_config(self) -> TrainConfig:
+        """The ``daca train`` config that ``method`` computes with: ``TRAIN_FIELDS`` and the
+        sections from this config, the rest ``TrainConfig``'s defaults (read by nothing here),
+        type-checked and validated as ``daca train`` validates it (a ConfigError, a ValueError,
+        names the field)."""
+        if self.method is None:
+            raise ValueError("train_config() needs a method (DACAGRPOConfig.method)")
+        cfg = from_dict(TrainConfig, {name: getattr(self, name) for name in TRAIN_FIELDS})
+        cfg = dataclasses.replace(cfg, **{name: self.section(name) for name in SECTIONS})
+        validate(cfg)
+        return cfg
+
+    def _check_method(self) -> None:
+        """``method``'s name, the TRL options it would leave unread, and ``train_config()``;
+        without it, the fields only a method reads left at their defaults."""
+        if self.method is None:
+            ours = {name: f.default for name, f, _ in _carried()}
+            unread = [n for n in METHOD_ONLY if getattr(self, n) != ours[n]]
+            if unread:
+                raise ValueError(f"{unread} are read only with method= (TRL's loss reads none)")
+            return
+        if self.method not in METHODS:
+            raise ValueError(
+                f"method={self.method!r} is not a base method; choose from {sorted(METHODS)} "
+                "(or None for TRL's loss)"
+            )
+        trl = _defaults(GRPOConfig)
+        replaced = [n for n in TRL_LOSS_OPTIONS if getattr(self, n) != trl[n]]
+        if replaced:
+            raise ValueError(
+                f"{replaced} configure TRL's loss or advantages, which method={self.method!r} "
+                "replaces by its own: leave them at TRL's defaults (docs/trl.md)"
+            )
+        if not METHODS[self.method].ratio and (self.num_iterations != 1 or self.beta != 0):
+            raise ValueError(
+                f"method={self.method!r} has no policy ratio, hence one update per rollout and no "
+                f"reference: set num_iterations=1 and beta=0 (got {self.num_iterations}, "
+                f"{self.beta})"
+            )
+        self.train_config()
 
     def __post_init__(self):
         super().__post_init__()
@@ -148,6 +255,7 @@ class DACAGRPOConfig(GRPOConfig):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"DACAGRPOConfig: {bad} do not apply to the masked-diffusion sampler")
+        self._check_method()
         self.max_completion_length = self.gen_length
 
 
@@ -277,6 +385,21 @@ def _reference_through_daca():
         grpo_trainer.create_model_from_path = original
 
 
+@contextlib.contextmanager
+def _rows_in_order():
+    """TRL's generation batch split into micro-batches without shuffling its rows first, as
+    ``daca train`` splits its step (with ``method``: each micro-batch's masks are drawn over its
+    rows in order, and its rows are those the native micro-batch holds)."""
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.shuffle_sequence_dict
+    grpo_trainer.shuffle_sequence_dict = lambda batch: batch
+    try:
+        yield
+    finally:
+        grpo_trainer.shuffle_sequence_dict = original
+
+
 class DACAGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` for masked diffusion LMs with DACA (see the module docstring).
 
@@ -284,7 +407,7 @@ class DACAGRPOTrainer(GRPOTrainer):
     model), which also supplies the tokenizer, mask id, end-of-sequence ids and prompt width;
     or a masked LM module (then pass ``processing_class``). ``args`` must be a
     ``DACAGRPOConfig``. Tools, environments and ``rollout_func`` (TRL features for
-    autoregressive models) are refused.
+    autoregressive models) are refused. ``args.method``: see ``DACAGRPOConfig``.
     """
 
     def __init__(self, model, reward_funcs=None, args: DACAGRPOConfig | None = None, **kwargs):
@@ -324,7 +447,15 @@ class DACAGRPOTrainer(GRPOTrainer):
         self._view_gen = torch.Generator(device=device).manual_seed(args.seed * 7919 + rank + 1)
         self._views: tuple[Tensor, Tensor | None] | None = None  # masks of the running forward
         self._rollout_views: tuple[Tensor, Tensor | None] | None = None
-        self.last_rollout = None  # the latest daca.Rollout of this process (for inspection)
+        # With method=: the registry entry and the daca train config it computes with.
+        self.daca_method = None if args.method is None else METHODS[args.method]
+        self.daca_cfg = None if args.method is None else args.train_config()
+        self._trl_logp_off = False  # TRL's old/reference forwards skipped (method=)
+        self._rewards_per_func: Tensor | None = None  # every process's, of the latest rollout
+        # The latest daca.Rollouts of this process (for inspection): one per micro-batch with
+        # method=, else one; last_rollout is the last of them.
+        self.last_rollouts: list[Rollout] = []
+        self.last_rollout = None
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """TRL's save (a native family's ``save_pretrained`` writes its hub layout), plus the
@@ -338,11 +469,47 @@ class DACAGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
-        """One completion per prompt from ``daca.generate``; draws the rollout's masks."""
+        """One completion per prompt from ``daca.generate``: without ``method``, the whole batch
+        at once, then the rollout's masks; with it, per micro-batch with the native trainer's
+        generator seeds (``RolloutSteps._make_rollout``)."""
         if images is not None or multimodal_fields:
             raise ValueError("DACAGRPOTrainer supports text prompts only")
         args = self.args
-        self._seed_generators()
+        if self.daca_method is None:
+            self._seed_generators()
+            chunks = [(prompt_ids, self._sample_gen)]
+        else:
+            device, rank = self.accelerator.device, self.accelerator.process_index
+            step = self._rollout_step()
+            chunks = [
+                (prompt_ids[rows], sampler_generator(device, args.seed, step, m, rank))
+                for m, rows in self._micro_batches(len(prompt_ids))
+            ]
+        sampled = [self._sample(ids, generator) for ids, generator in chunks]
+        self.last_rollouts = [rollout for rollout, _ in sampled]
+        self.last_rollout = self.last_rollouts[-1]
+        if self.daca_method is None:
+            iterations = self.num_iterations if self.model.training else 1
+            self._rollout_views = mask_views(
+                sampled[0][1],
+                args.gen_length,
+                iterations,
+                p_mask_prompt=args.p_mask_prompt,
+                num_strata=args.sml_num_strata if args.sml_enabled else None,
+                strata=args.sml_strata,
+                generator=self._view_gen,
+            )
+            self._set_views(0)
+        # TRL's convention for decoding and length metrics: cut after the first end of sequence.
+        completion = torch.cat([rollout.completion_ids for rollout in self.last_rollouts])
+        keep = up_to_eos(completion, self.eos_token_ids)
+        completion_ids = [c[k].tolist() for c, k in zip(completion.cpu(), keep.cpu(), strict=True)]
+        return completion_ids, None
+
+    def _sample(self, prompt_ids: list[list[int]], generator) -> tuple[Rollout, Tensor]:
+        """``daca.generate`` on the prompts, left padded to ``prompt_width`` (else to the longest):
+        the rollout and the prompts' attention mask."""
+        args = self.args
         width = self.prompt_width or max(len(p) for p in prompt_ids)
         ids, att = left_pad(prompt_ids, None, width, self._tokenizer.pad_token_id)
         ids, att = ids.to(self.accelerator.device), att.to(self.accelerator.device)
@@ -363,37 +530,29 @@ class DACAGRPOTrainer(GRPOTrainer):
                     ids,
                     att,
                     mask_id=self.mask_id,
-                    gen_length=args.gen_length,
-                    steps=args.steps,
-                    block_length=args.block_length,
-                    temperature=args.temperature,
-                    cfg_scale=args.cfg_scale,
-                    remasking=args.remasking,
-                    generator=self._sample_gen,
+                    # The sampler's fields are named as generate's keywords, as daca train's.
+                    **dataclasses.asdict(args.section("generation")),
+                    generator=generator,
                     dps_stride=args.dps_stride if args.dps_enabled else None,
                     dps_scope=args.dps_scope,
-                    cache=args.cache,
-                    parallel_threshold=args.parallel_threshold,
                 )
             finally:
                 unwrapped.train(was_training)
-        self.last_rollout = rollout
-        iterations = self.num_iterations if self.model.training else 1
-        self._rollout_views = mask_views(
-            att,
-            args.gen_length,
-            iterations,
-            p_mask_prompt=args.p_mask_prompt,
-            num_strata=args.sml_num_strata if args.sml_enabled else None,
-            strata=args.sml_strata,
-            generator=self._view_gen,
-        )
-        self._set_views(0)
-        # TRL's convention for decoding and length metrics: cut after the first end of sequence.
-        completion = rollout.completion_ids
-        keep = up_to_eos(completion, self.eos_token_ids)
-        completion_ids = [c[k].tolist() for c, k in zip(completion.cpu(), keep.cpu(), strict=True)]
-        return completion_ids, None
+        return rollout, att
+
+    def _micro_batches(self, n: int) -> list[tuple[int, slice]]:
+        """(index, rows) of each micro-batch of a generation batch of ``n`` rows, in order:
+        ``per_device_train_batch_size`` rows each in training; in evaluation one, of index -1,
+        so that its seeds never repeat a training rollout's."""
+        if not self.model.training:
+            return [(-1, slice(0, n))]
+        size = self.args.per_device_train_batch_size
+        return [(m, slice(start, start + size)) for m, start in enumerate(range(0, n, size))]
+
+    def _rollout_step(self) -> int:
+        """``daca train``'s step of the running rollout: TRL counts optimizer steps, μ of them
+        (``num_iterations``) per rollout."""
+        return self.state.global_step // self.num_iterations
 
     def _seed_generators(self) -> None:
         """Seed the sampler's and the masks' generators from the step, not carried along: a run
@@ -408,13 +567,28 @@ class DACAGRPOTrainer(GRPOTrainer):
         """TRL's ``_generate``, then the full completions with the loss mask as ``tool_mask``."""
         out = list(super()._generate(prompts))
         cut = out[1]
-        full = self.last_rollout.completion_ids.tolist()
+        full = torch.cat([rollout.completion_ids for rollout in self.last_rollouts]).tolist()
         out[1] = full
         out[2] = [[1] * len(c) + [0] * (len(f) - len(c)) for c, f in zip(cut, full, strict=True)]
         return tuple(out)
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards [every process's rows, reward functions], kept for ``method``."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_per_func = rewards
+        return rewards
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's; with ``method``, the micro-batches are the generation batch's rows in order."""
+        if self.daca_method is None:
+            return super()._prepare_inputs(generation_batch)
+        with _rows_in_order():
+            return super()._prepare_inputs(generation_batch)
+
     def _generate_and_score_completions(self, inputs):
         """TRL's rollout and scoring, then DPS and the other inner iterations' log-probs."""
+        if self.daca_method is not None:
+            return self._score_for_method(inputs)
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         if self.args.dps_enabled:
@@ -450,13 +624,88 @@ class DACAGRPOTrainer(GRPOTrainer):
         self._views = None
         return output
 
+    def _score_for_method(self, inputs):
+        """TRL's rollout and rewards, then what ``daca train``'s step computes before its updates
+        (``Trainer.train_step``): group advantages with the method's baseline, DPS multipliers
+        over the step's micro-batches, and per micro-batch the old and reference log-probs with
+        the native mask seeds (``daca.train.update``)."""
+        cfg, method = self.daca_cfg, self.daca_method
+        self._trl_logp_off = True
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._trl_logp_off = False
+        for key in ("old_per_token_logps", "ref_per_token_logps"):
+            output.pop(key, None)
+        training = self.model.training
+        n, rank = len(inputs), self.accelerator.process_index
+        # The weighted sum in float64, as daca.tasks.rewards.score_rewards adds it up.
+        per_func = self._rewards_per_func.double()
+        rewards = (per_func * self.reward_weights.to(per_func)).nansum(1).float()
+        G = self.num_generations if training else self.num_generations_eval
+        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, baseline=method.baseline)
+        mine = slice(rank * n, (rank + 1) * n)
+        output["advantages"], output["daca_rewards"] = advantages[mine], rewards[mine]
+        if cfg.dps.enabled:
+            mode = "train" if training else "eval"
+            output["daca_multipliers"] = torch.cat(self._dps_step(self.last_rollouts, mode))
+        mu = self.num_iterations if training and method.ratio else 1
+        step, old, ref = self._rollout_step(), [], []
+        for m, rows in self._micro_batches(n):
+            batch = self._rollout_batch(output, rows)
+            seeds = [mask_seed(cfg.seed, step, m, it, rank) for it in range(mu)]
+            with disable_gradient_checkpointing(
+                self.model, self.args.gradient_checkpointing_kwargs
+            ):
+                old_and_reference(
+                    method, cfg, self.model, self._reference, batch, seeds, self.mask_id
+                )
+            old.append(batch.old_logp)
+            ref.append(batch.ref_logp)
+        for key, per_batch in (("daca_old_logp", old), ("daca_ref_logp", ref)):
+            if per_batch[0]:  # [B, mu, L]: each row's log-probs travel with it through TRL
+                output[key] = torch.cat([torch.stack(logps, 1) for logps in per_batch])
+        return output
+
+    def _rollout_batch(self, inputs, rows: slice = slice(None)) -> RolloutBatch:
+        """Rows of TRL's batch as the native trainer's micro-batch: the prompts left padded as
+        ``daca train`` pads them (to ``prompt_width``, else to these rows' longest), the loss
+        mask (tokens up to the first end of sequence) as ``completion_mask``, and the advantages,
+        DPS multipliers and per-iteration old and reference log-probs of ``_score_for_method``."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
+        width = self.prompt_width or int(prompt_mask.sum(1).max())
+        pad = self._tokenizer.pad_token_id
+        prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, width, pad)
+        loss_mask = inputs["completion_mask"][rows].bool()
+        if "tool_mask" in inputs:
+            loss_mask &= inputs["tool_mask"][rows].bool()
+        multipliers = inputs.get("daca_multipliers")
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=inputs["completion_ids"][rows],
+            completion_mask=loss_mask,
+            rewards=inputs["daca_rewards"][rows],
+            advantages=inputs["advantages"][rows],
+            multipliers=None if multipliers is None else multipliers[rows],
+        )
+        for key in ("old_logp", "ref_logp"):
+            if f"daca_{key}" in inputs:
+                setattr(batch, key, list(inputs[f"daca_{key}"][rows].unbind(1)))
+        return batch
+
     def _dps_multipliers(self, rollout, mode: str) -> Tensor:
         """(1 + lam * delta_{J(n)}) [B, L] of the generation batch (``dps.step_multipliers``, as
         in ``daca train``): delta z-scored over every process's rows of it, which with
         ``steps_per_generation = gradient_accumulation_steps`` are the optimizer step's."""
+        return self._dps_step([rollout], mode)[0]
+
+    def _dps_step(self, rollouts: list[Rollout], mode: str) -> list[Tensor]:
+        """The multipliers of each rollout of the optimizer step, z-scored over all of them
+        (``daca train``'s ``_dps_step``); the ``dps/*`` metrics go to TRL's log."""
         a = self.args
-        (mult,), _, metrics = step_multipliers(
-            [rollout],
+        multipliers, _, metrics = step_multipliers(
+            rollouts,
             lam=a.dps_lam,
             last_step=a.dps_last_step,
             norm_axis=a.dps_norm_axis,
@@ -466,7 +715,7 @@ class DACAGRPOTrainer(GRPOTrainer):
         )
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
-        return mult
+        return multipliers
 
     # ----------------------------------------------------------------- likelihood
     @contextlib.contextmanager
@@ -506,6 +755,12 @@ class DACAGRPOTrainer(GRPOTrainer):
         """
         if any(v is not None for v in multimodal.values()):
             raise ValueError("DACAGRPOTrainer supports text inputs only")
+        if self._trl_logp_off:  # method=: TRL's old and reference log-probs, never read
+            return (
+                input_ids.new_zeros((len(input_ids), logits_to_keep), dtype=torch.float),
+                None,
+                None,
+            )
         if self._views is None:
             raise RuntimeError("no likelihood masks are set for this forward")
         hide, strata = self._views
@@ -557,7 +812,10 @@ class DACAGRPOTrainer(GRPOTrainer):
         return (self._step % (spg * self.num_iterations)) // spg
 
     def _compute_loss(self, model, inputs):
-        """TRL's loss, with iteration k's masks for the current, old and reference log-probs."""
+        """TRL's loss, with iteration k's masks for the current, old and reference log-probs
+        (with ``method``, the method's loss: ``_method_loss``)."""
+        if self.daca_method is not None:
+            return self._method_loss(model, inputs)
         k = self._iteration() if inputs["daca_prompt_hide"].shape[1] > 1 else 0
         strata = inputs.get("daca_strata")
         self._views = (inputs["daca_prompt_hide"][:, k], None if strata is None else strata[:, k])
@@ -569,6 +827,24 @@ class DACAGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         finally:
             self._views = None
+
+    def _method_loss(self, model, inputs):
+        """The micro-batch's loss as ``daca train`` computes it (``daca.train.update``): the
+        method's log-probs (with SML) under the native masks of (step, micro-batch, inner
+        iteration), then its loss; the loss's metrics go to TRL's log."""
+        cfg, method, training = self.daca_cfg, self.daca_method, self.model.training
+        micro = self._step % self.args.steps_per_generation if training else -1
+        it = self._iteration()
+        rank = self.accelerator.process_index
+        seed = mask_seed(cfg.seed, self._rollout_step(), micro, it, rank)
+        batch = self._rollout_batch(inputs)
+        logp, sml = token_logp(method, model, batch, cfg, seed, self.mask_id)
+        loss, metrics = method_loss(method, cfg, batch, logp, sml, it)
+        mode = "train" if training else "eval"
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(float(value))
+        # TRL's losses come scaled for gradient accumulation (HF's own scaling is off for GRPO).
+        return loss / self.current_gradient_accumulation_steps if training else loss
 
 
 __all__ = [

@@ -16,6 +16,8 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,10 +178,28 @@ def _train_cell(cfg, resume: bool, threads: int) -> None:
     train(cfg, resume=resume, progress=False)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A worker's initializer: end the worker when the grid's process is gone. A SIGTERM or
+    SIGKILL to ``daca compare`` would otherwise leave the workers training their cells, unseen;
+    a killed cell resumes from its last checkpoint when the grid is run again."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def _run_parallel(pending, jobs: int, log) -> None:
     threads = max(1, (os.cpu_count() or 1) // jobs)
     context = multiprocessing.get_context("spawn")  # no forked torch thread pools
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    with ProcessPoolExecutor(
+        max_workers=jobs,
+        mp_context=context,
+        initializer=_exit_with_parent,
+        initargs=(os.getpid(),),
+    ) as pool:
         futures = {}
         for name, label, cfg, resume in pending:
             futures[pool.submit(_train_cell, cfg, resume, threads)] = name

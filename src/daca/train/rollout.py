@@ -44,6 +44,12 @@ def seeded_generator(device, *parts: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))
 
 
+def sampler_generator(device, seed: int, step: int, micro: int, rank: int) -> torch.Generator:
+    """The sampler's generator of micro-batch ``micro`` of step ``step`` on process ``rank``
+    (``daca train`` and the TRL front-end with ``method=``: the same rollouts)."""
+    return seeded_generator(device, seed, step, micro, rank, 7)
+
+
 def sampler_options(gen: GenerationConfig, temperature: float | None = None) -> dict:
     """``generate``'s sampler keywords from ``gen`` (its fields are named as the keywords);
     ``temperature`` overrides the config's (evaluation samples at 0)."""
@@ -176,7 +182,7 @@ class RolloutSteps:
             model,
             rows,
             temperature=cfg.generation.temperature,
-            generator=seeded_generator(self.acc.device, cfg.seed, step, micro, self.rank, 7),
+            generator=sampler_generator(self.acc.device, cfg.seed, step, micro, self.rank),
             dps_stride=cfg.dps.stride if cfg.dps.enabled else None,
         )
         model.train()

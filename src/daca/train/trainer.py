@@ -26,9 +26,9 @@ from daca.train.checkpointing import (
 from daca.train.config import TrainConfig, resolved, validate
 from daca.train.errors import InputError, TrainingError
 from daca.train.methods import METHODS
-from daca.train.rollout import RolloutSteps, derive_seed
+from daca.train.rollout import RolloutSteps
 from daca.train.setup import SetupSteps
-from daca.train.update import UpdateSteps
+from daca.train.update import UpdateSteps, mask_seed
 
 # How long a process whose peer failed waits for the launcher to end it before it reports the
 # broken collective itself (launched without torchrun, nothing else would end it).
@@ -140,8 +140,7 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
             batch.rollout = None  # the trace is read: free it before the updates
         t0 = time.perf_counter()
         seeds = [
-            [derive_seed(cfg.seed, step, m, it, self.rank, 11) for it in range(mu)]
-            for m in range(gas)
+            [mask_seed(cfg.seed, step, m, it, self.rank) for it in range(mu)] for m in range(gas)
         ]
         if self.method.ratio:
             self._old_and_reference(batches, seeds)

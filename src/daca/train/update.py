@@ -1,17 +1,104 @@
 """The update half of a training step: per-token log-probs through the method's estimator (with
 SML), old-policy and reference log-probs, the loss, and the μ inner iterations of optimizer
-updates over the step's micro-batches (METHOD.md §4)."""
+updates over the step's micro-batches (METHOD.md §4).
+
+The plain functions (``mask_seed``, ``token_logp``, ``method_loss``, ``old_and_reference``) are
+what a step computes for one micro-batch; ``daca train`` (``UpdateSteps``) and the TRL front-end
+(``daca.integrations.trl`` with ``method=``) both call them.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from daca.core import likelihood, objectives
-from daca.train.rollout import RolloutBatch, seeded_generator
+from daca.train.methods import BaseMethod
+from daca.train.rollout import RolloutBatch, derive_seed, seeded_generator
+
+if TYPE_CHECKING:
+    from daca.train.config import TrainConfig
+
+
+def mask_seed(seed: int, step: int, micro: int, it: int, rank: int) -> int:
+    """The masks' seed of inner iteration ``it`` of micro-batch ``micro`` of step ``step`` on
+    process ``rank``: one per iteration, shared by the current, old and reference log-probs."""
+    return derive_seed(seed, step, micro, it, rank, 11)
+
+
+def token_logp(
+    method: BaseMethod, model, batch: RolloutBatch, cfg: TrainConfig, seed: int, mask_id: int
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs [B, L] for the ratio (or wd1's likelihood) and the SML regulariser's
+    (None unless ``method.sml`` is "regulariser" with η > 0), with the masks of ``seed``."""
+    device = batch.prompt_ids.device
+    base = method.estimator(model, batch, cfg, seeded_generator(device, seed, 1), mask_id)
+    regulariser = method.sml == "regulariser"
+    if not cfg.sml.enabled or (regulariser and cfg.sml.eta == 0):
+        return base, None  # a regulariser of weight 0 would discard the K forwards
+    sml = likelihood.stratified_logp(
+        model,
+        batch.prompt_ids,
+        batch.completion_ids,
+        mask_id=mask_id,
+        attention_mask=batch.prompt_mask,
+        num_strata=cfg.sml.num_strata,
+        strata=cfg.sml.strata,
+        generator=seeded_generator(device, seed, 2),
+    )
+    if regulariser:
+        return base, sml
+    return objectives.sml_enriched(base, sml), None
+
+
+def method_loss(
+    method: BaseMethod,
+    cfg: TrainConfig,
+    batch: RolloutBatch,
+    logp: Tensor,
+    sml: Tensor | None,
+    it: int,
+) -> tuple[Tensor, dict]:
+    """The method's loss of one micro-batch at inner iteration ``it``: its old-policy log-probs
+    (the current ones, detached, when none were computed: μ = 1), its reference log-probs (none:
+    β = 0), its advantages and DPS multipliers."""
+    return method.loss(
+        cfg,
+        logp,
+        old_logp=batch.old_logp[it] if batch.old_logp else logp.detach(),
+        ref_logp=batch.ref_logp[it] if batch.ref_logp else None,
+        advantages=batch.advantages,
+        completion_mask=batch.completion_mask,
+        token_multipliers=batch.multipliers,
+        sml_logp=sml,
+    )
+
+
+@torch.no_grad()
+def old_and_reference(
+    method: BaseMethod,
+    cfg: TrainConfig,
+    model,
+    reference: Callable[[], contextlib.AbstractContextManager],
+    batch: RolloutBatch,
+    seeds: list[int],
+    mask_id: int,
+) -> None:
+    """``batch.old_logp`` and ``batch.ref_logp``, once per rollout, one per inner iteration's
+    mask seed: the old policy's (``model`` before its updates) when μ = ``len(seeds)`` > 1, the
+    reference's (``reference()`` yields it) when β > 0. A method without a ratio has neither."""
+    if not method.ratio:
+        return
+    if len(seeds) > 1:
+        batch.old_logp = [token_logp(method, model, batch, cfg, s, mask_id)[0] for s in seeds]
+    if cfg.beta > 0:
+        with reference() as ref:
+            batch.ref_logp = [token_logp(method, ref, batch, cfg, s, mask_id)[0] for s in seeds]
 
 
 class UpdateSteps:
@@ -20,24 +107,7 @@ class UpdateSteps:
 
     def _token_logp(self, model, batch: RolloutBatch, seed: int) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs for the ratio (or wd1's likelihood) and the SML regulariser's."""
-        cfg, device, mask_id = self.cfg, batch.prompt_ids.device, self.bundle.mask_id
-        base = self.method.estimator(model, batch, cfg, seeded_generator(device, seed, 1), mask_id)
-        regulariser = self.method.sml == "regulariser"
-        if not cfg.sml.enabled or (regulariser and cfg.sml.eta == 0):
-            return base, None  # a regulariser of weight 0 would discard the K forwards
-        sml = likelihood.stratified_logp(
-            model,
-            batch.prompt_ids,
-            batch.completion_ids,
-            mask_id=mask_id,
-            attention_mask=batch.prompt_mask,
-            num_strata=cfg.sml.num_strata,
-            strata=cfg.sml.strata,
-            generator=seeded_generator(device, seed, 2),
-        )
-        if regulariser:
-            return base, sml
-        return objectives.sml_enriched(base, sml), None
+        return token_logp(self.method, model, batch, self.cfg, seed, self.bundle.mask_id)
 
     @contextlib.contextmanager
     def _reference(self):
@@ -73,26 +143,20 @@ class UpdateSteps:
     def _loss(self, batch: RolloutBatch, it: int, seed: int) -> tuple[Tensor, dict]:
         logp, sml = self._token_logp(self.model, batch, seed)
         self._logp_finite = torch.isfinite(logp).all()  # read only to diagnose a bad loss
-        return self.method.loss(
-            self.cfg,
-            logp,
-            old_logp=batch.old_logp[it] if batch.old_logp else logp.detach(),
-            ref_logp=batch.ref_logp[it] if batch.ref_logp else None,
-            advantages=batch.advantages,
-            completion_mask=batch.completion_mask,
-            token_multipliers=batch.multipliers,
-            sml_logp=sml,
-        )
+        return method_loss(self.method, self.cfg, batch, logp, sml, it)
 
-    @torch.no_grad()
     def _old_and_reference(self, batches: list[RolloutBatch], seeds: list[list[int]]) -> None:
         """Old and reference log-probs once per rollout, with the μ iterations' mask seeds."""
         for batch, batch_seeds in zip(batches, seeds, strict=True):
-            if len(batch_seeds) > 1:
-                batch.old_logp = [self._token_logp(self.model, batch, s)[0] for s in batch_seeds]
-            if self.cfg.beta > 0:
-                with self._reference() as ref:
-                    batch.ref_logp = [self._token_logp(ref, batch, s)[0] for s in batch_seeds]
+            old_and_reference(
+                self.method,
+                self.cfg,
+                self.model,
+                self._reference,
+                batch,
+                batch_seeds,
+                self.bundle.mask_id,
+            )
 
     def _inner_iterations(self, batches: list[RolloutBatch], seeds: list[list[int]], mu: int):
         """μ optimizer updates on the step's rollouts, each accumulating gradients over the
