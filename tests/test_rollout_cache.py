@@ -43,6 +43,18 @@ def left_padded(vocab, lengths, seed=0):
     return ids, mask
 
 
+def partly_committed(V, mask_id):
+    """Three left-padded prompts with a 12-token completion, some of it masked: (x, attention
+    mask, P, L, block length 4, the generator for further draws)."""
+    ids, mask = left_padded(V - 1, [3, 6, 5])
+    P, L, bl = ids.shape[1], 12, 4
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([ids, torch.randint(4, V - 1, (3, L), generator=g)], 1)
+    x[:, P + 5 :: 2] = mask_id
+    attn = torch.cat([mask, torch.ones(3, L, dtype=torch.long)], 1)
+    return x, attn, P, L, bl, g
+
+
 def x_at(rollout, step, mask_id):
     """x_step rebuilt from the rollout: the prompt, tokens born before ``step``, masks elsewhere."""
     x = rollout.sequences.clone()
@@ -57,12 +69,7 @@ def test_cached_block_step_equals_the_full_forward(llada, mode, family):
     """The cache machinery is exact: a block step on the cache of the same x gives the full
     forward's logits (padding, positions and, for Dream, the shift handled)."""
     model, mask_id, V = llada if family == "llada" else (dream(), 23, 24)
-    ids, mask = left_padded(V - 1, [3, 6, 5])
-    P, L, bl = ids.shape[1], 12, 4
-    g = torch.Generator().manual_seed(1)
-    x = torch.cat([ids, torch.randint(4, V - 1, (3, L), generator=g)], 1)
-    x[:, P + 5 :: 2] = mask_id
-    attn = torch.cat([mask, torch.ones(3, L, dtype=torch.long)], 1)
+    x, attn, P, L, bl, g = partly_committed(V, mask_id)
     with torch.no_grad():
         full = model(x, attention_mask=attn).logits
         for c in range(L // bl):
@@ -164,12 +171,7 @@ def test_suffix_refresh_is_exact_on_an_unchanged_prefix(llada, mode):
     x of the last full refresh it gives the full forward's logits, and the dual cache it leaves
     gives the full forward's logits at the next block step (also after tokens change there)."""
     model, mask_id, V = llada
-    ids, mask = left_padded(V - 1, [3, 6, 5])
-    P, L, bl = ids.shape[1], 12, 4
-    g = torch.Generator().manual_seed(1)
-    x = torch.cat([ids, torch.randint(4, V - 1, (3, L), generator=g)], 1)
-    x[:, P + 5 :: 2] = mask_id
-    attn = torch.cat([mask, torch.ones(3, L, dtype=torch.long)], 1)
+    x, attn, P, L, bl, g = partly_committed(V, mask_id)
     with torch.no_grad():
         full = model(x, attention_mask=attn).logits
         lo, hi = bl, 2 * bl
