@@ -400,7 +400,128 @@ def _rows_in_order():
         grpo_trainer.shuffle_sequence_dict = original
 
 
-class DACAGRPOTrainer(GRPOTrainer):
+class _MethodSteps:
+    """What ``DACAGRPOConfig.method`` changes in ``DACAGRPOTrainer`` (a mixin before
+    ``GRPOTrainer``): each micro-batch computed as ``daca train`` computes it, through the same
+    functions of ``daca.train.update`` (docs/trl.md, "One method, two front-ends")."""
+
+    def _micro_batches(self, n: int) -> list[tuple[int, slice]]:
+        """(index, rows) of each micro-batch of a generation batch of ``n`` rows, in order:
+        ``per_device_train_batch_size`` rows each in training; in evaluation one, of index -1,
+        so that its seeds never repeat a training rollout's."""
+        if not self.model.training:
+            return [(-1, slice(0, n))]
+        size = self.args.per_device_train_batch_size
+        return [(m, slice(start, start + size)) for m, start in enumerate(range(0, n, size))]
+
+    def _rollout_step(self) -> int:
+        """``daca train``'s step of the running rollout: TRL counts optimizer steps, μ of them
+        (``num_iterations``) per rollout."""
+        return self.state.global_step // self.num_iterations
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards [every process's rows, reward functions], kept for ``method``."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_per_func = rewards
+        return rewards
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's; with ``method``, the micro-batches are the generation batch's rows in order."""
+        if self.daca_method is None:
+            return super()._prepare_inputs(generation_batch)
+        with _rows_in_order():
+            return super()._prepare_inputs(generation_batch)
+
+    def _score_for_method(self, inputs):
+        """TRL's rollout and rewards, then what ``daca train``'s step computes before its updates
+        (``Trainer.train_step``): group advantages with the method's baseline, DPS multipliers
+        over the step's micro-batches, and per micro-batch the old and reference log-probs with
+        the native mask seeds (``daca.train.update``)."""
+        cfg, method = self.daca_cfg, self.daca_method
+        self._trl_logp_off = True
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._trl_logp_off = False
+        for key in ("old_per_token_logps", "ref_per_token_logps"):
+            output.pop(key, None)
+        training = self.model.training
+        n, rank = len(inputs), self.accelerator.process_index
+        # The weighted sum in float64, as daca.tasks.rewards.score_rewards adds it up.
+        per_func = self._rewards_per_func.double()
+        rewards = (per_func * self.reward_weights.to(per_func)).nansum(1).float()
+        G = self.num_generations if training else self.num_generations_eval
+        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, baseline=method.baseline)
+        mine = slice(rank * n, (rank + 1) * n)
+        output["advantages"], output["daca_rewards"] = advantages[mine], rewards[mine]
+        if cfg.dps.enabled:
+            mode = "train" if training else "eval"
+            output["daca_multipliers"] = torch.cat(self._dps_step(self.last_rollouts, mode))
+        mu = self.num_iterations if training and method.ratio else 1
+        step, old, ref = self._rollout_step(), [], []
+        for m, rows in self._micro_batches(n):
+            batch = self._rollout_batch(output, rows)
+            seeds = [mask_seed(cfg.seed, step, m, it, rank) for it in range(mu)]
+            with disable_gradient_checkpointing(
+                self.model, self.args.gradient_checkpointing_kwargs
+            ):
+                old_and_reference(
+                    method, cfg, self.model, self._reference, batch, seeds, self.mask_id
+                )
+            old.append(batch.old_logp)
+            ref.append(batch.ref_logp)
+        for key, per_batch in (("daca_old_logp", old), ("daca_ref_logp", ref)):
+            if per_batch[0]:  # [B, mu, L]: each row's log-probs travel with it through TRL
+                output[key] = torch.cat([torch.stack(logps, 1) for logps in per_batch])
+        return output
+
+    def _rollout_batch(self, inputs, rows: slice = slice(None)) -> RolloutBatch:
+        """Rows of TRL's batch as the native trainer's micro-batch: the prompts left padded as
+        ``daca train`` pads them (to ``prompt_width``, else to these rows' longest), the loss
+        mask (tokens up to the first end of sequence) as ``completion_mask``, and the advantages,
+        DPS multipliers and per-iteration old and reference log-probs of ``_score_for_method``."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
+        width = self.prompt_width or int(prompt_mask.sum(1).max())
+        pad = self._tokenizer.pad_token_id
+        prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, width, pad)
+        loss_mask = inputs["completion_mask"][rows].bool()
+        if "tool_mask" in inputs:
+            loss_mask &= inputs["tool_mask"][rows].bool()
+        multipliers = inputs.get("daca_multipliers")
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=inputs["completion_ids"][rows],
+            completion_mask=loss_mask,
+            rewards=inputs["daca_rewards"][rows],
+            advantages=inputs["advantages"][rows],
+            multipliers=None if multipliers is None else multipliers[rows],
+        )
+        for key in ("old_logp", "ref_logp"):
+            if f"daca_{key}" in inputs:
+                setattr(batch, key, list(inputs[f"daca_{key}"][rows].unbind(1)))
+        return batch
+
+    def _method_loss(self, model, inputs):
+        """The micro-batch's loss as ``daca train`` computes it (``daca.train.update``): the
+        method's log-probs (with SML) under the native masks of (step, micro-batch, inner
+        iteration), then its loss; the loss's metrics go to TRL's log."""
+        cfg, method, training = self.daca_cfg, self.daca_method, self.model.training
+        micro = self._step % self.args.steps_per_generation if training else -1
+        it = self._iteration()
+        rank = self.accelerator.process_index
+        seed = mask_seed(cfg.seed, self._rollout_step(), micro, it, rank)
+        batch = self._rollout_batch(inputs)
+        logp, sml = token_logp(method, model, batch, cfg, seed, self.mask_id)
+        loss, metrics = method_loss(method, cfg, batch, logp, sml, it)
+        mode = "train" if training else "eval"
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(float(value))
+        # TRL's losses come scaled for gradient accumulation (HF's own scaling is off for GRPO).
+        return loss / self.current_gradient_accumulation_steps if training else loss
+
+
+class DACAGRPOTrainer(_MethodSteps, GRPOTrainer):
     """TRL's ``GRPOTrainer`` for masked diffusion LMs with DACA (see the module docstring).
 
     ``model``: a ``daca.models.load`` result, or a name or path for it ("tiny" is the shipped
@@ -540,20 +661,6 @@ class DACAGRPOTrainer(GRPOTrainer):
                 unwrapped.train(was_training)
         return rollout, att
 
-    def _micro_batches(self, n: int) -> list[tuple[int, slice]]:
-        """(index, rows) of each micro-batch of a generation batch of ``n`` rows, in order:
-        ``per_device_train_batch_size`` rows each in training; in evaluation one, of index -1,
-        so that its seeds never repeat a training rollout's."""
-        if not self.model.training:
-            return [(-1, slice(0, n))]
-        size = self.args.per_device_train_batch_size
-        return [(m, slice(start, start + size)) for m, start in enumerate(range(0, n, size))]
-
-    def _rollout_step(self) -> int:
-        """``daca train``'s step of the running rollout: TRL counts optimizer steps, μ of them
-        (``num_iterations``) per rollout."""
-        return self.state.global_step // self.num_iterations
-
     def _seed_generators(self) -> None:
         """Seed the sampler's and the masks' generators from the step, not carried along: a run
         resumed from a checkpoint draws the rollouts the uninterrupted run drew."""
@@ -571,19 +678,6 @@ class DACAGRPOTrainer(GRPOTrainer):
         out[1] = full
         out[2] = [[1] * len(c) + [0] * (len(f) - len(c)) for c, f in zip(cut, full, strict=True)]
         return tuple(out)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's rewards [every process's rows, reward functions], kept for ``method``."""
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._rewards_per_func = rewards
-        return rewards
-
-    def _prepare_inputs(self, generation_batch):
-        """TRL's; with ``method``, the micro-batches are the generation batch's rows in order."""
-        if self.daca_method is None:
-            return super()._prepare_inputs(generation_batch)
-        with _rows_in_order():
-            return super()._prepare_inputs(generation_batch)
 
     def _generate_and_score_completions(self, inputs):
         """TRL's rollout and scoring, then DPS and the other inner iterations' log-probs."""
@@ -623,76 +717,6 @@ class DACAGRPOTrainer(GRPOTrainer):
             output[f"daca_{key}"] = torch.stack(per_iteration, 1)  # [B, mu, L]
         self._views = None
         return output
-
-    def _score_for_method(self, inputs):
-        """TRL's rollout and rewards, then what ``daca train``'s step computes before its updates
-        (``Trainer.train_step``): group advantages with the method's baseline, DPS multipliers
-        over the step's micro-batches, and per micro-batch the old and reference log-probs with
-        the native mask seeds (``daca.train.update``)."""
-        cfg, method = self.daca_cfg, self.daca_method
-        self._trl_logp_off = True
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._trl_logp_off = False
-        for key in ("old_per_token_logps", "ref_per_token_logps"):
-            output.pop(key, None)
-        training = self.model.training
-        n, rank = len(inputs), self.accelerator.process_index
-        # The weighted sum in float64, as daca.tasks.rewards.score_rewards adds it up.
-        per_func = self._rewards_per_func.double()
-        rewards = (per_func * self.reward_weights.to(per_func)).nansum(1).float()
-        G = self.num_generations if training else self.num_generations_eval
-        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, baseline=method.baseline)
-        mine = slice(rank * n, (rank + 1) * n)
-        output["advantages"], output["daca_rewards"] = advantages[mine], rewards[mine]
-        if cfg.dps.enabled:
-            mode = "train" if training else "eval"
-            output["daca_multipliers"] = torch.cat(self._dps_step(self.last_rollouts, mode))
-        mu = self.num_iterations if training and method.ratio else 1
-        step, old, ref = self._rollout_step(), [], []
-        for m, rows in self._micro_batches(n):
-            batch = self._rollout_batch(output, rows)
-            seeds = [mask_seed(cfg.seed, step, m, it, rank) for it in range(mu)]
-            with disable_gradient_checkpointing(
-                self.model, self.args.gradient_checkpointing_kwargs
-            ):
-                old_and_reference(
-                    method, cfg, self.model, self._reference, batch, seeds, self.mask_id
-                )
-            old.append(batch.old_logp)
-            ref.append(batch.ref_logp)
-        for key, per_batch in (("daca_old_logp", old), ("daca_ref_logp", ref)):
-            if per_batch[0]:  # [B, mu, L]: each row's log-probs travel with it through TRL
-                output[key] = torch.cat([torch.stack(logps, 1) for logps in per_batch])
-        return output
-
-    def _rollout_batch(self, inputs, rows: slice = slice(None)) -> RolloutBatch:
-        """Rows of TRL's batch as the native trainer's micro-batch: the prompts left padded as
-        ``daca train`` pads them (to ``prompt_width``, else to these rows' longest), the loss
-        mask (tokens up to the first end of sequence) as ``completion_mask``, and the advantages,
-        DPS multipliers and per-iteration old and reference log-probs of ``_score_for_method``."""
-        prompt_ids, prompt_mask = inputs["prompt_ids"][rows], inputs["prompt_mask"][rows]
-        width = self.prompt_width or int(prompt_mask.sum(1).max())
-        pad = self._tokenizer.pad_token_id
-        prompt_ids, prompt_mask = left_pad(prompt_ids, prompt_mask, width, pad)
-        loss_mask = inputs["completion_mask"][rows].bool()
-        if "tool_mask" in inputs:
-            loss_mask &= inputs["tool_mask"][rows].bool()
-        multipliers = inputs.get("daca_multipliers")
-        batch = RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=inputs["completion_ids"][rows],
-            completion_mask=loss_mask,
-            rewards=inputs["daca_rewards"][rows],
-            advantages=inputs["advantages"][rows],
-            multipliers=None if multipliers is None else multipliers[rows],
-        )
-        for key in ("old_logp", "ref_logp"):
-            if f"daca_{key}" in inputs:
-                setattr(batch, key, list(inputs[f"daca_{key}"][rows].unbind(1)))
-        return batch
 
     def _dps_multipliers(self, rollout, mode: str) -> Tensor:
         """(1 + lam * delta_{J(n)}) [B, L] of the generation batch (``dps.step_multipliers``, as
@@ -827,24 +851,6 @@ class DACAGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         finally:
             self._views = None
-
-    def _method_loss(self, model, inputs):
-        """The micro-batch's loss as ``daca train`` computes it (``daca.train.update``): the
-        method's log-probs (with SML) under the native masks of (step, micro-batch, inner
-        iteration), then its loss; the loss's metrics go to TRL's log."""
-        cfg, method, training = self.daca_cfg, self.daca_method, self.model.training
-        micro = self._step % self.args.steps_per_generation if training else -1
-        it = self._iteration()
-        rank = self.accelerator.process_index
-        seed = mask_seed(cfg.seed, self._rollout_step(), micro, it, rank)
-        batch = self._rollout_batch(inputs)
-        logp, sml = token_logp(method, model, batch, cfg, seed, self.mask_id)
-        loss, metrics = method_loss(method, cfg, batch, logp, sml, it)
-        mode = "train" if training else "eval"
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(float(value))
-        # TRL's losses come scaled for gradient accumulation (HF's own scaling is off for GRPO).
-        return loss / self.current_gradient_accumulation_steps if training else loss
 
 
 __all__ = [
