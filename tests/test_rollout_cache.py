@@ -166,11 +166,12 @@ def test_refresh_every_counts(llada):
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
-def test_suffix_refresh_is_exact_on_an_unchanged_prefix(llada, mode):
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_suffix_refresh_is_exact_on_an_unchanged_prefix(llada, mode, family):
     """A suffix refresh recomputes the block and its suffix against the cached prefix: on the
     x of the last full refresh it gives the full forward's logits, and the dual cache it leaves
     gives the full forward's logits at the next block step (also after tokens change there)."""
-    model, mask_id, V = llada
+    model, mask_id, V = llada if family == "llada" else (dream(), 23, 24)
     x, attn, P, L, bl, g = partly_committed(V, mask_id)
     with torch.no_grad():
         full = model(x, attention_mask=attn).logits
