@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from daca.train.config import GenerationConfig
+from daca.train.config import REWARD_TIMEOUT, GenerationConfig
 
 
 def add_generation_arguments(p) -> None:
@@ -80,6 +80,13 @@ def add_arguments(p) -> None:
     add_generation_arguments(p)
     p.add_argument("--limit", type=int, help="first N examples only")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument(
+        "--reward-timeout",
+        type=float,
+        default=REWARD_TIMEOUT,
+        help="seconds the scoring of one batch may take; examples still running then score 0 "
+        "(logged)",
+    )
     p.add_argument("--out", help="JSONL file of (prompt, completion, score); default beside cwd")
 
 
@@ -128,6 +135,7 @@ def run(args) -> int:
         temperature=args.temperature,
         generator=gen_rng,
         progress=True,
+        reward_timeout=args.reward_timeout,
     )
     out = Path(args.out or f"eval-{args.task}.jsonl")
     with out.open("w") as fh:

@@ -26,6 +26,9 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+REWARD_TIMEOUT = 600.0  # seconds per batch of scoring, in training and in `daca eval`
+
+
 @dataclass
 class GenerationConfig:
     """The sampler (METHOD.md §1)."""
@@ -162,7 +165,7 @@ class TrainConfig:
         "can then touch your files; same as DACA_UNSAFE_EXEC=1)",
     )
     reward_timeout: float | None = _f(
-        600.0, "seconds a reward function may take on one batch (null: no limit)"
+        REWARD_TIMEOUT, "seconds a reward function may take on one batch (null: no limit)"
     )
     max_nonfinite_steps: int = _f(
         3, "a step with a non-finite loss or gradient is skipped; this many in a row stop the run"

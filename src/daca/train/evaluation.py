@@ -10,7 +10,7 @@ import torch
 
 from daca.models.loading import LoadedModel
 from daca.tasks import Task
-from daca.train.config import GenerationConfig
+from daca.train.config import REWARD_TIMEOUT, GenerationConfig
 from daca.train.rollout import rollout
 
 
@@ -46,7 +46,7 @@ def evaluate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     progress: bool = False,
-    reward_timeout: float | None = 30.0,
+    reward_timeout: float | None = REWARD_TIMEOUT,
 ) -> EvalResult:
     """The task's metric on ``rows`` (temperature 0 by default, the paper's protocol).
 
