@@ -45,7 +45,10 @@ def _ones_failing_on_rank1() -> Task:
 
 
 def _phase(name: str, step: int) -> None:
-    print(f"PHASE {name} {step}", flush=True)
+    # One write per line: both ranks share the pipe, and print() writes the newline separately,
+    # so two ranks' lines could interleave ("PHASE update 2PHASE update 2\n\n").
+    sys.stdout.write(f"PHASE {name} {step}\n")
+    sys.stdout.flush()
 
 
 def _install_phase_hooks(slow: float) -> None:

@@ -84,7 +84,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     seen, deadline = [], time.monotonic() + 240
-    while "PHASE update 2\n" not in seen:  # the third step's update: step-2 is on disk
+    while "PHASE update 2" not in "".join(seen):  # the third step's update: step-2 is on disk
         assert proc.poll() is None and time.monotonic() < deadline, "".join(seen)[-4000:]
         with contextlib.suppress(queue.Empty):
             seen.append(lines.get(timeout=1))
