@@ -43,3 +43,7 @@ def save_tiny_model(path, seed: int = 0, hidden_size: int = 32, num_layers: int 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+# TrainingArguments of every TRL test: CPU, float32, no checkpointing of activations, no trackers.
+CPU_TRL = dict(use_cpu=True, bf16=False, activation_checkpointing=False, report_to="none")

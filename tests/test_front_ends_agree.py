@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import CPU_TRL
 from test_trainer import _cfg
 
 pytest.importorskip("trl")
@@ -49,10 +50,7 @@ def _trl_args(cfg, out) -> DACAGRPOConfig:
     mu = cfg.num_iterations if METHODS[cfg.method].ratio else 1
     return DACAGRPOConfig(
         output_dir=str(out),
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
+        **CPU_TRL,
         save_strategy="no",
         logging_steps=1,
         shuffle_dataset=False,  # the prompts in the native step's order

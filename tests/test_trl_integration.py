@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import CPU_TRL
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -35,10 +36,7 @@ def make_trainer(model_dir, tmp_path, **overrides):
     data = datasets.Dataset.from_list([{"prompt": f"{r['puzzle']}=", **r} for r in rows])
     kw = dict(
         output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
+        **CPU_TRL,
         save_strategy="no",
         per_device_train_batch_size=G * PROMPTS,
         num_generations=G,
@@ -255,8 +253,7 @@ def test_left_pad():
     ],
 )
 def test_config_rejects_bad_values(tmp_path, bad, match):
-    kw = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
-    kw["activation_checkpointing"] = False
+    kw = dict(output_dir=str(tmp_path), **CPU_TRL)
     with pytest.raises(ValueError, match=match):
         DACAGRPOConfig(**kw, **bad)
 
@@ -295,8 +292,7 @@ def test_reference_model_is_loaded_through_daca(tiny_model_dir, tmp_path):
     ],
 )
 def test_method_config_rejects_what_would_not_apply(tmp_path, bad, match):
-    kw = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
-    kw["activation_checkpointing"] = False
+    kw = dict(output_dir=str(tmp_path), **CPU_TRL)
     with pytest.raises(ValueError, match=match):
         DACAGRPOConfig(**kw, **bad)
 
@@ -313,8 +309,7 @@ def test_method_fields_are_daca_train_fields(tmp_path):
         if f.name in ("psi", "quadrature", "p_mask_prompt"):
             assert (ours[f.name].default, ours[f.name].metadata) == (f.default, f.metadata)
     args = DACAGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-        activation_checkpointing=False, method="wd1", psi=2.0, sml_enabled=True, sml_eta=0.3,
+        output_dir=str(tmp_path), **CPU_TRL, method="wd1", psi=2.0, sml_enabled=True, sml_eta=0.3,
         num_generations=3, per_device_train_batch_size=6, dps_lam=0.25, scale_rewards="none",
     )  # fmt: skip
     cfg = args.train_config()

@@ -4,6 +4,7 @@ the weights, the optimizer, the data order and the global RNG (docs/trl.md, "Res
 
 import pytest
 import torch
+from conftest import CPU_TRL
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -25,10 +26,7 @@ def run(model_dir, out, max_steps, resume=False) -> list[tuple]:
     data = datasets.Dataset.from_list([{"prompt": f"{r['puzzle']}=", **r} for r in rows])
     args = DACAGRPOConfig(
         output_dir=str(out),
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
+        **CPU_TRL,
         save_strategy="steps",
         save_steps=2,
         per_device_train_batch_size=G * PROMPTS,

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+from conftest import CPU_TRL
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -21,10 +22,7 @@ def one_step_args(tmp_path, **overrides) -> DACAGRPOConfig:
     """One TRL step of the tiny model on the CPU."""
     kw = dict(
         output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
+        **CPU_TRL,
         save_strategy="no",
         per_device_train_batch_size=G * PROMPTS,
         num_generations=G,

@@ -52,7 +52,7 @@ def add_arguments(p) -> None:
         "--quick",
         action="store_true",
         help="one seed, 60 steps, base and dps of each method, every registered method unless "
-        "--methods says otherwise (about 15 min on 2 CPU cores)",
+        "--methods says otherwise (Sudoku: 9 min on 2 CPU cores)",
     )
 
 
