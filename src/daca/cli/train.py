@@ -68,9 +68,21 @@ def run(args) -> int:
     except (TrainingError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    _end_distributed()
     print(
         f"held-out {cfg.task}: {summary['held_out_before']:.4f} before, "
         f"{summary['held_out_after']:.4f} after ({summary['steps']} steps); "
         f"outputs in {summary['run_dir']}"
     )
     return 0
+
+
+def _end_distributed() -> None:
+    """Destroy the process group of a finished multi-process run before the interpreter exits:
+    left to interpreter teardown, gloo's threads could abort a rank (SIGABRT, "terminate called
+    without an active exception") after a successful run. Errors are left alone: a rank that
+    failed may have left the others waiting in a collective."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
