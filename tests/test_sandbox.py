@@ -1,5 +1,6 @@
 """The code sandbox: right code passes, escape attempts score 0 and leave nothing behind."""
 
+import itertools
 import os
 import socket
 import subprocess
@@ -85,10 +86,16 @@ class Guard:
         assert self.leftovers() == []
 
 
+_guard_uids = itertools.count()
+
+
 @pytest.fixture
 def guard(monkeypatch):
-    """A fixed sandbox uid for the test, so that its processes can be found afterwards."""
-    uid = 60100 + os.getpid() % 900  # outside the library's range: no clash with other runs
+    """A fixed sandbox uid for the test, so that its processes can be found afterwards; a new
+    one per test: the zombies of an earlier test's fork bomb, until init reaps them, still count
+    against RLIMIT_NPROC of their uid."""
+    # outside the library's range: no clash with other runs
+    uid = 60100 + (os.getpid() * 31 + next(_guard_uids)) % 900
     monkeypatch.setattr(sandbox, "_next_uid", lambda: uid)
     return Guard(uid)
 

@@ -247,8 +247,14 @@ def _is_root() -> bool:
 
 
 def _next_uid() -> int:
-    """A sandbox uid for one run (root only); differs across concurrent runs of a process."""
-    return _UID_BASE + (os.getpid() * 97 + next(_uid_counter)) % _UID_SPAN
+    """A sandbox uid for one run (root only); differs across concurrent runs of a process, and
+    owns no task now (a task of another run on the same uid, e.g. one still being killed, would
+    count against this run's RLIMIT_NPROC)."""
+    for _ in range(64):
+        uid = _UID_BASE + (os.getpid() * 97 + next(_uid_counter)) % _UID_SPAN
+        if _tasks_of_uid(uid) == 0:
+            return uid
+    raise SandboxUnavailable(f"no free sandbox uid in {_UID_BASE}..{_UID_BASE + _UID_SPAN - 1}")
 
 
 def _tasks_of_uid(uid: int) -> int:
