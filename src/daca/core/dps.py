@@ -265,18 +265,7 @@ def step_multipliers(
     if any(not torch.equal(r.recorded_steps.cpu(), steps.cpu()) for r in rollouts):
         raise ValueError("the rollouts of one step must share their recorded steps")
     gather = gather or (lambda t: t)
-    deltas = [
-        progress_deltas(
-            r.progress_logp,
-            r.progress_mask,
-            last_step,
-            last_logp=getattr(r, "last_logp", None),
-            last_mask=getattr(r, "last_mask", None),
-            recorded_steps=r.recorded_steps,
-            num_steps=_steps_of(r),
-        )
-        for r in rollouts
-    ]
+    deltas = [rollout_deltas(r, last_step) for r in rollouts]
     local = torch.cat(deltas)
     everything = gather(local.contiguous())
     start = rank * local.shape[0]
@@ -319,6 +308,20 @@ def _steps_of(rollout):
     return taken if taken is not None else getattr(rollout, "num_steps", None)
 
 
+def rollout_deltas(rollout, last_step: str) -> Tensor:
+    """``progress_deltas`` [B, m+1] of a ``Rollout``'s recorded trace (its own last-step rows,
+    recorded steps and per-row step counts)."""
+    return progress_deltas(
+        rollout.progress_logp,
+        rollout.progress_mask,
+        last_step,
+        last_logp=getattr(rollout, "last_logp", None),
+        last_mask=getattr(rollout, "last_mask", None),
+        recorded_steps=rollout.recorded_steps,
+        num_steps=_steps_of(rollout),
+    )
+
+
 def rollout_multipliers(
     rollout,
     *,
@@ -336,14 +339,5 @@ def rollout_multipliers(
     """
     if getattr(rollout, "progress_logp", None) is None:
         raise ValueError("the rollout carries no DPS trace; generate it with dps_stride=s")
-    deltas = progress_deltas(
-        rollout.progress_logp,
-        rollout.progress_mask,
-        last_step,
-        last_logp=getattr(rollout, "last_logp", None),
-        last_mask=getattr(rollout, "last_mask", None),
-        recorded_steps=rollout.recorded_steps,
-        num_steps=_steps_of(rollout),
-    )
-    norm = normalize(deltas, norm_axis, eps)
+    norm = normalize(rollout_deltas(rollout, last_step), norm_axis, eps)
     return token_multipliers(norm, rollout.birth_step, rollout.recorded_steps, lam, clamp_min)
