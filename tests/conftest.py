@@ -47,3 +47,19 @@ def tiny_model_dir(tmp_path_factory):
 
 # TrainingArguments of every TRL test: CPU, float32, no checkpointing of activations, no trackers.
 CPU_TRL = dict(use_cpu=True, bf16=False, activation_checkpointing=False, report_to="none")
+
+# The smallest real training run (2 completions of 8 tokens per prompt, 4 denoising steps), as
+# `daca train` overrides; tests add the task, the steps and what they check.
+SMALL_RUN = [
+    "device=cpu",
+    "per_device_train_batch_size=4",
+    "num_generations=2",
+    "train_size=20",
+    "eval_size=2",
+    "save_rollouts_every=0",
+    "tensorboard=false",
+    "generation.steps=4",
+    "generation.gen_length=8",
+    "generation.block_length=8",
+    "dps.stride=1",
+]

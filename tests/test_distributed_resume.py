@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import fsdp_cpu_config, kill_all, launch_two, start_two
+from conftest import SMALL_RUN
 from safetensors.torch import load_file
 
 pytest.importorskip("accelerate")
@@ -33,21 +34,11 @@ MAX_STEPS = 4
 NAN_STEP = 1  # 0-based: the second step, logged as step 2
 OVERRIDES = [
     "task=ones",
-    "device=cpu",
-    "per_device_train_batch_size=4",
-    "num_generations=2",
-    "train_size=20",
-    "eval_size=2",
+    *SMALL_RUN,
     "eval_every=2",
     f"max_steps={MAX_STEPS}",
     "save_every=1",
     f"save_total_limit={MAX_STEPS}",
-    "save_rollouts_every=0",
-    "tensorboard=false",
-    "generation.steps=4",
-    "generation.gen_length=8",
-    "generation.block_length=8",
-    "dps.stride=1",
     "method=diffu_grpo",
     "num_iterations=2",
     "learning_rate=1e-2",

@@ -6,6 +6,7 @@ import json
 
 import torch
 from _tasks import sudoku_rows_task
+from conftest import SMALL_RUN
 from safetensors.torch import load_file
 
 from daca.tasks import register_task
@@ -23,19 +24,9 @@ def _cfg(model_dir, out, name, *overrides):
             f"output_dir={out}",
             f"name={name}",
             "task=ones",
-            "device=cpu",
-            "per_device_train_batch_size=4",
-            "num_generations=2",
-            "train_size=20",
-            "eval_size=2",
+            *SMALL_RUN,
             "eval_every=0",
             "save_every=2",
-            "save_rollouts_every=0",
-            "tensorboard=false",
-            "generation.steps=4",
-            "generation.gen_length=8",
-            "generation.block_length=8",
-            "dps.stride=1",
             "method=diffu_grpo",
             "num_iterations=2",
             "learning_rate=1e-2",

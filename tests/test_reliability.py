@@ -29,6 +29,7 @@ import torch
 import yaml
 from _launch import launch_two
 from _tasks import ones, sudoku_rows_task
+from conftest import SMALL_RUN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -80,20 +81,10 @@ register_task("long", lambda: sudoku_rows_task("long", ones, lambda r: r["puzzle
 
 SMALL = [
     "task=ones",
-    "device=cpu",
+    *SMALL_RUN,
     "weight_decay=0.0",
-    "per_device_train_batch_size=4",
-    "num_generations=2",
-    "train_size=20",
-    "eval_size=2",
     "eval_every=0",
     "max_steps=2",
-    "save_rollouts_every=0",
-    "tensorboard=false",
-    "generation.steps=4",
-    "generation.gen_length=8",
-    "generation.block_length=8",
-    "dps.stride=1",
     "learning_rate=1e-3",
 ]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _launch import fsdp_cpu_config, launch_two
 from _tasks import sudoku_rows_task
+from conftest import SMALL_RUN
 
 from daca.cli import main
 from daca.tasks import register_task
@@ -20,18 +21,8 @@ from daca.train.trainer import Trainer
 register_task("ones", lambda: sudoku_rows_task("ones"))
 WORKER = Path(__file__).with_name("_kill_worker.py")
 SMALL = [
-    "device=cpu",
-    "per_device_train_batch_size=4",
-    "num_generations=2",
-    "train_size=20",
-    "eval_size=2",
+    *SMALL_RUN,
     "eval_every=0",
-    "save_rollouts_every=0",
-    "tensorboard=false",
-    "generation.steps=4",
-    "generation.gen_length=8",
-    "generation.block_length=8",
-    "dps.stride=1",
 ]
 
 
