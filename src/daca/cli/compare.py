@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
         "--steps",
         type=int,
         default=100,
-        help="training steps per cell (100: a full 3 × 4 × 3 grid is 2.6 CPU-hours)",
+        help="training steps per cell (100: the 4 × 2 × 3 Sudoku grid on the tiny LLaDA took "
+        "55 min with --jobs 2, docs/results.md)",
     )
     p.add_argument("--config", help="base YAML recipe for every cell")
     p.add_argument("--out", default="compare", help="output folder")
@@ -52,7 +53,7 @@ def add_arguments(p) -> None:
         "--quick",
         action="store_true",
         help="one seed, 60 steps, base and dps of each method, every registered method unless "
-        "--methods says otherwise (Sudoku: 9 min on 2 CPU cores)",
+        "--methods says otherwise (Sudoku: 8.6 min on 2 CPU cores, docs/results.md)",
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -51,8 +52,6 @@ def add_generation_arguments(p) -> None:
 def _generation(args, bundle) -> GenerationConfig:
     meta = bundle.meta.get("generation")
     if meta:  # a model written by daca: the settings it was trained with
-        from dataclasses import fields
-
         known = {f.name for f in fields(GenerationConfig)}
         base = GenerationConfig(**{k: v for k, v in meta.items() if k in known})
     else:
@@ -60,19 +59,18 @@ def _generation(args, bundle) -> GenerationConfig:
     gen_length = args.gen_length or base.gen_length
     steps = args.steps or (base.steps if not args.gen_length else gen_length // 2)
     block = args.block_length or min(base.block_length, gen_length)
-    return GenerationConfig(
+    given = {  # the flags given on the command line; the rest stays the model's
+        "cache": args.cache,
+        "refresh_every": args.refresh_every,
+        "parallel_threshold": args.parallel_threshold,
+    }
+    return replace(
+        base,
         gen_length=gen_length,
         steps=steps,
         block_length=block,
         temperature=args.temperature,
-        cfg_scale=base.cfg_scale,
-        remasking=base.remasking,
-        cache=args.cache or base.cache,
-        refresh_every=base.refresh_every if args.refresh_every is None else args.refresh_every,
-        trace_refresh=base.trace_refresh,
-        parallel_threshold=(
-            base.parallel_threshold if args.parallel_threshold is None else args.parallel_threshold
-        ),
+        **{k: v for k, v in given.items() if v is not None},
     )
 
 

@@ -334,8 +334,9 @@ def rollout_multipliers(
     """``token_multipliers`` of a ``Rollout``-like object recorded with ``dps_stride`` [B, L].
 
     Reads ``progress_logp``, ``progress_mask``, ``recorded_steps``, ``birth_step`` and, for
-    ``last_step="measured"``, ``last_logp``, ``last_mask``, ``num_steps``. For the rollouts of a
-    training step over several processes use ``step_multipliers``.
+    ``last_step="measured"``, ``last_logp``, ``last_mask``, ``steps_taken`` (else
+    ``num_steps``). For the rollouts of a training step over several processes use
+    ``step_multipliers``.
     """
     if getattr(rollout, "progress_logp", None) is None:
         raise ValueError("the rollout carries no DPS trace; generate it with dps_stride=s")

@@ -13,7 +13,7 @@ form per-token ratios:
 Each draws its masks from ``generator`` or takes them given (``prompt_hide=``, ``strata=``,
 ``masks=``): both front-ends (``daca train`` and TRL) call the same functions.
 
-All three build "views" of ``prompt ++ completion`` in which some completion positions hold the
+All four build "views" of ``prompt ++ completion`` in which some completion positions hold the
 mask token, run the model on them and read ``log_softmax(logits)[o_n]`` at the masked positions
 only. They are differentiable (used for training). Every random draw comes from the
 ``generator`` passed in, on the device of the inputs: the same seed gives the same masks, which is

@@ -47,7 +47,8 @@ class Rollout:
     steps_taken:    [B] long, T_b, the steps row b took: T without ``parallel_threshold``;
                     with it, the steps in which the row still had masked positions in the block
                     being decoded (each commits at least one), so T_b <= T.
-    forwards:       {"full": n, "block": m}, the forward passes run (docs/rollouts.md).
+    forwards:       {"full": n, "block": m} (and "suffix" with ``trace_refresh="suffix"``), the
+                    forward passes run (docs/rollouts.md).
     trace_peak_bytes: the most bytes the trace recorder held at once (0 without recording).
     """
 
@@ -383,14 +384,17 @@ class BlockCache:
     def __init__(self, model, mode: str, attn: Tensor | None, prompt_length: int, total: int):
         self.base = _cache_backbone(model, mode)
         self.model, self.mode, self.P = model, mode, prompt_length
-        hub = getattr(self.base.config, "hub_config", None) or {}
-        self.shift = 1 if str(hub.get("model_type", "")).lower() == "dream" else 0
+        self.shift = getattr(self.base, "logits_shift", 0)  # Dream's 1 (daca.models.native)
         self.attn = attn
         if attn is None:
             self.pos = torch.arange(total)[None]
         else:
             self.pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
         self.cache = None
+
+    def _query_start(self, lo: int) -> int:
+        """The first position a step on block start ``lo`` recomputes (Dream: one earlier)."""
+        return self.P + lo - (self.shift if self.P + lo > 0 else 0)
 
     def _call(self, ids, mask, pos, keep) -> Tensor:
         pos = pos.to(ids.device).expand(ids.shape[0], -1)
@@ -408,7 +412,7 @@ class BlockCache:
         """Full forward of ``inp`` [B', P+L]; logits of completion positions lo..end-1."""
         from transformers import DynamicCache
 
-        a = self.P + lo - (self.shift if self.P + lo > 0 else 0)
+        a = self._query_start(lo)
         self.cache = DynamicCache(config=self.base.config)
         keep = torch.arange(a, self.P + end, device=inp.device)
         logits = self._call(inp, self.attn, self.pos, keep)[:, self.P + lo - a :]
@@ -438,7 +442,7 @@ class BlockCache:
         """A partial refresh (``trace_refresh="suffix"``): the block and everything after it
         recomputed against the cached prompt and earlier blocks (kept from the last full
         refresh); logits of positions lo..end-1. ``dual`` then caches the new suffix keys."""
-        a, P = self.P + lo - (self.shift if self.P + lo > 0 else 0), self.P
+        a, P = self._query_start(lo), self.P
         if a != self.a or hi != self.hi:
             raise RuntimeError("BlockCache.refresh_suffix called for another block's cache")
         self._crop_to(a)  # dual: [prefix, suffix] -> prefix; prefix mode holds only the prefix
@@ -449,7 +453,7 @@ class BlockCache:
 
     def block(self, inp: Tensor, lo: int, hi: int) -> Tensor:
         """One block step on the cache of the last refresh: logits of positions lo..hi-1."""
-        a, P = self.P + lo - (self.shift if self.P + lo > 0 else 0), self.P
+        a, P = self._query_start(lo), self.P
         if a != self.a or hi != self.hi:
             raise RuntimeError("BlockCache.block called for a block other than the refreshed one")
         end = P + hi if self.mode == "dual" else inp.shape[1]
@@ -649,12 +653,10 @@ def generate(
             if not bool(active.any()):
                 break
             recorded = None if recorder is None else recorder.recorded_rows(clock, active)
-            reach = c
-            if recorded is not None and bool(recorded.any()):
-                reach = recorder.reach_block(t, c)
+            traced = recorded is not None and bool(recorded.any())
             # only the current block's logits decide commits; the trace may need later blocks
+            reach = recorder.reach_block(t, c) if traced else c
             end = (reach + 1) * bl
-            traced = bool(recorded is not None and recorded.any())
             kind = _forward_kind(block_cache, i, traced, refresh_every, trace_refresh)
             inp = x if cfg_scale == 0 else torch.cat([x, torch.cat([un_prompt, x[:, P:]], 1)])
             if block_cache is None:

@@ -71,7 +71,7 @@ from daca.train.config import (
     from_dict,
     validate,
 )
-from daca.train.methods import METHODS
+from daca.train.methods import METHODS, get_method
 from daca.train.rollout import RolloutBatch, sampler_generator
 from daca.train.update import mask_seed, method_loss, old_and_reference, token_logp
 
@@ -214,11 +214,10 @@ class DACAGRPOConfig(GRPOConfig):
             if unread:
                 raise ValueError(f"{unread} are read only with method= (TRL's loss reads none)")
             return
-        if self.method not in METHODS:
-            raise ValueError(
-                f"method={self.method!r} is not a base method; choose from {sorted(METHODS)} "
-                "(or None for TRL's loss)"
-            )
+        try:
+            get_method(self.method)
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]} (or None for TRL's loss)") from None
         trl = _defaults(GRPOConfig)
         replaced = [n for n in TRL_LOSS_OPTIONS if getattr(self, n) != trl[n]]
         if replaced:

@@ -11,7 +11,7 @@ either family loads into ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with:
 - LLaDA's state-dict keys mapped onto Llama's while loading (``LLADA_KEYS``, transformers'
   public ``key_mapping``); Dream's keys are already Qwen2's.
 
-The two classes below are those transformers classes with three changes: causality off,
+The two classes below are those transformers classes with four changes: causality off,
 positions counted from the first real token of a left-padded row (so a padded row equals the
 row alone), Dream's shift undone (logits at i predict token i, the core's contract in
 ``daca.core.modeling``), and ``save_pretrained`` writing the family's hub layout back (hub key
@@ -269,50 +269,14 @@ class _HubLayout:
         return {}
 
 
-class LLaDAForDiffusionLM(_HubLayout, LlamaForCausalLM):
-    """transformers' ``LlamaForCausalLM`` run as LLaDA: bidirectional, positions from the
-    attention mask, saved in LLaDA's hub layout."""
+class _Bidirectional:
+    """The diffusion forward over a transformers causal-LM class: no causal mask, positions
+    from the attention mask, and logits shifted right by ``logits_shift`` (Dream's 1: its
+    hidden state at i - 1 predicts token i)."""
 
-    hub_config_of = staticmethod(llada_hub_config)
-    to_hub_keys = _TO_LLADA
+    logits_shift = 0
 
-    def __init__(self, config: LlamaConfig):
-        config.is_causal = False
-        super().__init__(config)
-        _no_causal_attention(self)
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
-        position_ids = _positions_from_mask(attention_mask, input_ids, position_ids)
-        return super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
-
-    def load_state_dict(self, state_dict, *args, **kwargs):
-        """Also takes LLaDA's hub key names: a checkpoint this class wrote, read back by code
-        that loads state dicts itself (transformers' Trainer on resume, for one)."""
-        if any(key.startswith("model.transformer.") for key in state_dict):
-            state_dict = rename_keys(state_dict, LLADA_KEYS)
-        return super().load_state_dict(state_dict, *args, **kwargs)
-
-
-class DreamForDiffusionLM(_HubLayout, Qwen2ForCausalLM):
-    """transformers' ``Qwen2ForCausalLM`` run as Dream: bidirectional, positions from the
-    attention mask, Dream's shift undone, saved in Dream's hub layout.
-
-    Dream's logits at i predict token i + 1 (its sampler shifts them right by one); here
-    ``logits[:, i]`` predicts token i and ``logits[:, 0]`` repeats Dream's first row, as
-    Dream's own ``cat([logits[:, :1], logits[:, :-1]])`` does.
-    """
-
-    hub_config_of = staticmethod(dream_hub_config)
-
-    @staticmethod
-    def hub_files(hub: dict) -> dict[str, dict]:
-        # Dream's own from_pretrained requires a generation_config.json.
-        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
-        return {"generation_config.json": {k: hub[k] for k in ids if hub.get(k) is not None}}
-
-    def __init__(self, config: Qwen2Config):
+    def __init__(self, config):
         config.is_causal = False
         super().__init__(config)
         _no_causal_attention(self)
@@ -322,8 +286,43 @@ class DreamForDiffusionLM(_HubLayout, Qwen2ForCausalLM):
         out = super().forward(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )
-        out.logits = torch.cat([out.logits[:, :1], out.logits[:, :-1]], dim=1)
+        if self.logits_shift:
+            out.logits = torch.cat([out.logits[:, :1], out.logits[:, :-1]], dim=1)
         return out
+
+
+class LLaDAForDiffusionLM(_HubLayout, _Bidirectional, LlamaForCausalLM):
+    """transformers' ``LlamaForCausalLM`` run as LLaDA: bidirectional, positions from the
+    attention mask, saved in LLaDA's hub layout."""
+
+    hub_config_of = staticmethod(llada_hub_config)
+    to_hub_keys = _TO_LLADA
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """Also takes LLaDA's hub key names: a checkpoint this class wrote, read back by code
+        that loads state dicts itself (transformers' Trainer on resume, for one)."""
+        if any(key.startswith("model.transformer.") for key in state_dict):
+            state_dict = rename_keys(state_dict, LLADA_KEYS)
+        return super().load_state_dict(state_dict, *args, **kwargs)
+
+
+class DreamForDiffusionLM(_HubLayout, _Bidirectional, Qwen2ForCausalLM):
+    """transformers' ``Qwen2ForCausalLM`` run as Dream: bidirectional, positions from the
+    attention mask, Dream's shift undone, saved in Dream's hub layout.
+
+    Dream's logits at i predict token i + 1 (its sampler shifts them right by one); here
+    ``logits[:, i]`` predicts token i and ``logits[:, 0]`` repeats Dream's first row, as
+    Dream's own ``cat([logits[:, :1], logits[:, :-1]])`` does.
+    """
+
+    hub_config_of = staticmethod(dream_hub_config)
+    logits_shift = 1
+
+    @staticmethod
+    def hub_files(hub: dict) -> dict[str, dict]:
+        # Dream's own from_pretrained requires a generation_config.json.
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        return {"generation_config.json": {k: hub[k] for k in ids if hub.get(k) is not None}}
 
 
 # Keys: the lower-cased ``model_type`` of a hub config.json.

@@ -106,9 +106,6 @@ def make_task(workers: int = 2, **limits) -> Task:
         """1.0 when HumanEval's tests pass, else 0.0."""
         return tests_pass_reward(None, completions, prompt, test, entry_point)
 
-    # Whole batches to the reward worker (daca.tasks.rewards): each sandbox run has its own time
-    # limit, and a GRPO group runs in parallel with its identical programs run once.
-    tests_pass_reward.batched = score.batched = True
     return Task(
         name="humaneval",
         load=load,

@@ -38,6 +38,7 @@ from daca.tasks.formats import (
     read_records,
     soft_format_reward,
 )
+from daca.tasks.rewards import OUTPUT_ERRORS
 
 VALID_REWARD = 1.0
 INSTRUCTION = (
@@ -53,7 +54,7 @@ def _reject_constant(name: str):
 
 
 # What a completion can make the JSON parser or the validator raise (deep nesting: RecursionError).
-_PARSER_LIMITS = (RecursionError, MemoryError, UnicodeError, OverflowError)
+_PARSER_LIMITS = OUTPUT_ERRORS
 _BAD_OUTPUT = (ValueError, *_PARSER_LIMITS)
 
 

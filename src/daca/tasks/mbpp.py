@@ -76,9 +76,6 @@ def make_task(workers: int = 2, **limits) -> Task:
         results = run_tests(completions, test_list, test_imports, workers=workers, **limits)
         return [float(r.passed and all(passed)) for r, passed in results]
 
-    # Whole batches to the reward worker (daca.tasks.rewards): each sandbox run has its own time
-    # limit, and a GRPO group runs in parallel with its identical programs run once.
-    pass_rate_reward.batched = score.batched = True
     return Task(
         name="mbpp",
         load=load,

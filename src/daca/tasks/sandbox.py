@@ -250,16 +250,17 @@ def _next_uid() -> int:
     """A sandbox uid for one run (root only); differs across concurrent runs of a process, and
     owns no task now (a task of another run on the same uid, e.g. one still being killed, would
     count against this run's RLIMIT_NPROC)."""
+    busy = _task_uids()
     for _ in range(64):
         uid = _UID_BASE + (os.getpid() * 97 + next(_uid_counter)) % _UID_SPAN
-        if _tasks_of_uid(uid) == 0:
+        if uid not in busy:
             return uid
     raise SandboxUnavailable(f"no free sandbox uid in {_UID_BASE}..{_UID_BASE + _UID_SPAN - 1}")
 
 
-def _tasks_of_uid(uid: int) -> int:
-    """Threads currently owned by real uid ``uid`` (RLIMIT_NPROC counts them all)."""
-    total = 0
+def _task_uids() -> dict[int, int]:
+    """Real uid -> threads it owns now, zombies included (RLIMIT_NPROC counts them all)."""
+    counts: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -268,9 +269,14 @@ def _tasks_of_uid(uid: int) -> int:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue
-        if int(fields.get("Uid", "-1 0").split()[0]) == uid:
-            total += int(fields.get("Threads", "1"))
-    return total
+        uid = int(fields.get("Uid", "-1 0").split()[0])
+        counts[uid] = counts.get(uid, 0) + int(fields.get("Threads", "1"))
+    return counts
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Threads currently owned by real uid ``uid``."""
+    return _task_uids().get(uid, 0)
 
 
 def _bwrap_argv(python: str, code_dir: str, scratch_mb: int) -> list[str]:
@@ -690,8 +696,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another uid's
+        pass
     return True
 
 

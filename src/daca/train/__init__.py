@@ -11,8 +11,8 @@ import importlib
 _EXPORTS = {
     "Trainer": "daca.train.trainer",
     "train": "daca.train.trainer",
-    "InputError": "daca.train.trainer",
-    "TrainingError": "daca.train.trainer",
+    "InputError": "daca.train.errors",
+    "TrainingError": "daca.train.errors",
     "TrainConfig": "daca.train.config",
     "load_config": "daca.train.config",
     "ConfigError": "daca.train.config",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from daca.tasks.formats import read_records
 from daca.train.config import VARIANT_SWITCHES, ConfigError, load_config
-from daca.train.methods import METHODS
+from daca.train.methods import METHODS, get_method
 
 # The grid's variants: the config's ``variant`` switch (config.VARIANT_SWITCHES).
 VARIANTS = {name: [f"variant={name}"] for name in VARIANT_SWITCHES}
@@ -114,8 +114,10 @@ def run_grid(
     if jobs < 1:
         raise ConfigError(f"jobs must be >= 1, got {jobs}")
     for m in methods:
-        if m not in METHOD_OVERRIDES:
-            raise ConfigError(f"unknown method {m!r}; choose from {sorted(METHOD_OVERRIDES)}")
+        try:
+            get_method(m)
+        except KeyError as e:
+            raise ConfigError(e.args[0]) from None
     # Seed-major order: an interrupted grid still has whole seeds' tables.
     cells = [Cell(m, v, s) for s in range(seeds) for m in methods for v in variants]
     # Check every cell's config before the first run starts.

@@ -1,5 +1,6 @@
-"""Held-out evaluation of a task, shared by ``pretrain``, ``train``, ``eval`` and ``sample``
-(the generation itself is ``daca.train.rollout.rollout``)."""
+"""Held-out evaluation of a task, shared by ``pretrain``, ``eval`` and ``sample`` (the generation
+itself is ``daca.train.rollout.rollout``; ``Trainer.evaluate`` shards the held-out set over
+processes and calls the same rollout and scoring)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ class SetupSteps:
                     f"space (or fix its permissions)"
                 )
             if failed is None and not resume and (self.run_dir / "metrics.jsonl").exists():
-                raise FileExistsError(
+                # through the check below: every rank raises, none waits in a collective
+                failed = FileExistsError(
                     f"{self.run_dir} already holds a run; resume it with "
                     f"`daca train --resume {self.run_dir}` or choose another name=..."
                 )
