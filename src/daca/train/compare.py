@@ -359,6 +359,8 @@ def _plots(results, rows, out: Path, task: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from daca.train.run_logging import honest_limits
+
     methods = sorted({r["method"] for r in results})
     fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.5), squeeze=False)
     for ax, m in zip(axes[0], methods, strict=True):
@@ -371,6 +373,7 @@ def _plots(results, rows, out: Path, task: str) -> None:
                 for c in curves:
                     ax.plot(*zip(*c, strict=True), color=line.get_color(), alpha=0.25, lw=0.8)
         ax.set(title=f"{task}: {m}", xlabel="step", ylabel="held-out metric")
+        ax.set_ylim(*honest_limits([r["held_out"] for r in results], [0.0] * len(results)))
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{task}-curves.png", dpi=110)
@@ -380,6 +383,7 @@ def _plots(results, rows, out: Path, task: str) -> None:
     labels = [f"{r['method']}\n{r['variant']}" for r in rows]
     ax.bar(labels, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], capsize=3)
     ax.set(ylabel=f"held-out {task}", title=f"{task}: final held-out metric")
+    ax.set_ylim(*honest_limits([r["mean"] for r in rows], [r["std"] for r in rows]))
     fig.tight_layout()
     fig.savefig(out / f"{task}-bars.png", dpi=110)
     plt.close(fig)

@@ -153,17 +153,19 @@ def plot_run(run_dir: Path, history: list[dict], evals: list[dict], cfg: TrainCo
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     steps = [h["step"] for h in history]
     rewards = [h["reward"] for h in history]
-    ax1.plot(steps, rewards, alpha=0.35, label="per step")
     k = max(1, len(rewards) // 20)
+    ax1.plot(steps, rewards, alpha=0.35 if k > 1 else 1.0, label="per step")
     smooth = [
         sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1])
         for i in range(len(rewards))
     ]
-    ax1.plot(steps, smooth, label=f"mean of {k}")
+    if k > 1:
+        ax1.plot(steps, smooth, label=f"mean of {k}")
     ax1.set(xlabel="step", ylabel="training reward", title=f"{cfg.task}: {cfg.method} reward")
     ax1.set_ylim(*honest_limits(rewards, [0.0] * len(rewards)))
     if rewards:
@@ -172,13 +174,14 @@ def plot_run(run_dir: Path, history: list[dict], evals: list[dict], cfg: TrainCo
     held_out = [e["held_out"] for e in evals]
     ci = [e.get("held_out_ci95", 0.0) for e in evals]
     ci = [0.0 if c != c else c for c in ci]  # NaN (one example): no interval to draw
-    ax2.errorbar(eval_steps, held_out, yerr=ci, marker="o", capsize=3, label="95 % interval")
+    ax2.errorbar(eval_steps, held_out, yerr=ci, marker="o", capsize=3, label="mean ± 95 % interval")
     ax2.set_ylim(*honest_limits(held_out, ci))
     ax2.set(xlabel="step", ylabel="held-out metric (temperature 0)", title="held-out")
     if any(ci):
         ax2.legend(loc="best")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     tmp = run_dir / "curves.tmp.png"
     fig.savefig(tmp, dpi=110)
