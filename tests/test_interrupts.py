@@ -232,3 +232,51 @@ def test_pretrain_interrupt_saves_the_model(tmp_path, signum):
     assert f"continue with: daca pretrain --init-from {model} --out {model}" in stderr
     meta = json.loads((model / "daca.json").read_text())
     assert meta["steps_trained"] >= 0 and (model / "model.safetensors").is_file()
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tiny_model_dir, tmp_path):
+    """Under ``accelerate launch`` (2 processes), SIGTERM to one rank only: both agree on the
+    step to stop at (no rank waits alone in a collective), the checkpoint of that step is
+    complete, and the run resumes to its end."""
+    from _launch import kill_all, launch_two, start_two
+
+    pytest.importorskip("accelerate")
+    worker = Path(__file__).with_name("_kill_worker.py")
+    run_dir = tmp_path / "ddp"
+    common = ["train", "--no-progress", f"model={tiny_model_dir}", f"output_dir={tmp_path}"]
+    env = {"DACA_PHASES": "1", "DACA_SLOW": "0.2", "PYTHONUNBUFFERED": "1"}
+    proc = start_two(worker, [*common, *COMMON, "name=ddp"], env=env, bufsize=1)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("PHASE update 1"):
+                break
+        ranks = [
+            pid
+            for pid in _descendants(proc.pid)
+            if "_kill_worker.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+        ]
+        assert len(ranks) == 2, "".join(seen)
+        os.kill(ranks[-1], signal.SIGTERM)
+        log, _ = proc.communicate(timeout=300)
+    except BaseException:
+        kill_all(proc)
+        raise
+    text = "".join(seen) + log
+    saved = re.findall(r"^PHASE saved (\d+)$", text, re.M)
+    assert len(saved) == 1 and int(saved[0]) >= 2, text[-4000:]
+    step = int(saved[0])
+    # One hint, from rank 0, out before the launcher ends the ranks (it reports their 143).
+    assert text.count(f"stopped by SIGTERM at step {step} of ") == 1, text[-4000:]
+    assert (run_dir / "checkpoints" / f"step-{step:07d}" / "COMPLETE").is_file()
+    assert [m["step"] for m in _jsonl(run_dir / "metrics.jsonl")] == list(range(1, step + 1))
+    code, log = launch_two(worker, [*common[:2], "--resume", str(run_dir)], timeout=300)
+    assert code == 0, log[-4000:]
+    assert [m["step"] for m in _jsonl(run_dir / "metrics.jsonl")] == list(range(1, MAX_STEPS + 1))
+
+
+def _descendants(pid: int) -> list[int]:
+    from _launch import descendants
+
+    return [p for p in descendants(pid) if Path(f"/proc/{p}/cmdline").exists()]

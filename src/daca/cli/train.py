@@ -66,6 +66,7 @@ def run(args) -> int:
     except Interrupted as e:
         # The trainer saved the last finished step; one line, on one process, says how to go on.
         _on_main_process(f"{e}")
+        _end_distributed(barrier=True)  # the line is out before a launcher ends any rank
         return e.exit_code
     except KeyboardInterrupt:
         # Ctrl-C while the model and data load (before the trainer's own handler): no step ran.
@@ -96,7 +97,7 @@ def _on_main_process(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _end_distributed() -> None:
+def _end_distributed(*, barrier: bool = False) -> None:
     """Destroy the process group of a finished multi-process run before the interpreter exits:
     left to interpreter teardown, gloo's threads could abort a rank (SIGABRT, "terminate called
     without an active exception") after a successful run. Errors are left alone: a rank that
@@ -104,4 +105,6 @@ def _end_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if barrier:  # every rank stopped at the same step (an agreed stop): all get here
+            dist.barrier()
         dist.destroy_process_group()
