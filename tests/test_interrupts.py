@@ -232,6 +232,15 @@ def test_pretrain_interrupt_saves_the_model(tmp_path, signum):
     assert f"continue with: daca pretrain --init-from {model} --out {model}" in stderr
     meta = json.loads((model / "daca.json").read_text())
     assert meta["steps_trained"] >= 0 and (model / "model.safetensors").is_file()
+    # The same command again must not overwrite the saved model; --init-from continues it.
+    again = _cli(args)
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 2 and f"--out {model} already holds a model" in stderr
+    go_on = _cli([*args[:4], "1", *args[5:], "--init-from", str(model)])
+    stdout, stderr = go_on.communicate(timeout=300)
+    assert go_on.returncode == 0, stdout + stderr
+    after = json.loads((model / "daca.json").read_text())
+    assert after["steps_trained"] == meta["steps_trained"] + 1
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tiny_model_dir, tmp_path):

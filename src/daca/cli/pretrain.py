@@ -61,6 +61,9 @@ def run(args) -> int:
     except Interrupted as e:
         print(e, file=sys.stderr)
         return e.exit_code
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # while the data is prepared: nothing trained yet
         print("interrupted before the first step: nothing to save", file=sys.stderr)
         return 130

@@ -90,7 +90,11 @@ def _bundle(model, tokenizer) -> LoadedModel:
 
 
 def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
-    """Train, save the model folder to ``cfg.out`` and return the summary (also in daca.json)."""
+    """Train, save the model folder to ``cfg.out`` and return the summary (also in daca.json).
+
+    An ``out`` that holds a model is replaced only when it is the model continued
+    (``init_from``): a new model never overwrites an earlier one (FileExistsError)."""
+    _check_out(cfg)
     names = ["sudoku", "countdown"] if cfg.task == "mix" else [cfg.task]
     deadline = None if cfg.max_minutes is None else time.time() + 60 * cfg.max_minutes
     tasks = {n: get_task(n) for n in names}
@@ -220,6 +224,18 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
             f"--init-from {folder} --out {folder} (and the other flags you gave)",
         )
     return summary
+
+
+def _check_out(cfg: PretrainConfig) -> None:
+    from pathlib import Path
+
+    out = Path(cfg.out)
+    continued = cfg.init_from is not None and Path(cfg.init_from).resolve() == out.resolve()
+    if (out / "daca.json").is_file() and not continued:
+        raise FileExistsError(
+            f"--out {out} already holds a model; choose another --out, or continue that model "
+            f"with --init-from {out} --out {out}"
+        )
 
 
 def _save_atomically(folder, model, tokenizer, summary: dict):
