@@ -71,9 +71,13 @@ def run(args) -> int:
     except KeyboardInterrupt:
         # Ctrl-C while the model and data load (before the trainer's own handler): no step ran.
         run_dir = Path(cfg.output_dir) / cfg.name
-        _on_main_process(
-            f"interrupted before the first step: nothing to save; start again with: "
+        again = (
             f"daca train --resume {shlex.quote(str(run_dir))}"
+            if (run_dir / "config.yaml").is_file()
+            else "the same command"
+        )
+        _on_main_process(
+            f"interrupted before the first step: nothing to save; start again with: {again}"
         )
         return 130
     except (ConfigError, InputError, FileExistsError) as e:
