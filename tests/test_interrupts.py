@@ -214,8 +214,8 @@ def test_sigint_to_a_parallel_grid_stops_its_workers_and_the_cells_resume(tiny_m
         assert (run / "summary.json").is_file()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT])
-def test_pretrain_interrupt_saves_the_model(tmp_path, signum):
+def test_pretrain_interrupt_saves_the_model(tmp_path):
+    signum = signal.SIGINT
     model = tmp_path / "tiny"
     args = [
         "pretrain", "--out", str(model), "--max-steps", "100000", "--eval-every", "1000",
