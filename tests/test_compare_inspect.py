@@ -163,9 +163,10 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_terminated_grid_leaves_no_worker_running(tiny_model_dir, tmp_path):
-    """SIGTERM to ``daca compare --jobs 2``: its two cell workers end with it (they used to
-    train on, unseen); the cells stay resumable."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+def test_a_terminated_grid_leaves_no_worker_running(tiny_model_dir, tmp_path, signum):
+    """SIGTERM to ``daca compare --jobs 2``: its workers save their cells and end, and so does
+    the grid (exit 143); SIGKILL: the workers end with it (they used to train on, unseen)."""
     out = tmp_path / "grid"
     cmd = [
         sys.executable, "-m", "daca.cli", "compare", "--jobs", "2", "--methods", "wd1",
@@ -181,8 +182,9 @@ def test_a_terminated_grid_leaves_no_worker_running(tiny_model_dir, tmp_path):
             time.sleep(0.5)
         workers = descendants(proc.pid)
         assert len(workers) >= 2
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        proc.send_signal(signum)
+        # A generous bound: SIGTERM lets each cell finish its step (or evaluation) first.
+        assert proc.wait(timeout=300) == (143 if signum == signal.SIGTERM else -signum)
         deadline = time.monotonic() + 20
         while any(_alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -191,3 +193,55 @@ def test_a_terminated_grid_leaves_no_worker_running(tiny_model_dir, tmp_path):
         for pid in [proc.pid, *descendants(proc.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _record(tokens: list[list[str]], prompt: str, task: str = "sudoku") -> dict:
+    n = len(tokens)
+    return {
+        "step": 3,
+        "task": task,
+        "method": "wd1",
+        "lam": 0.5,
+        "prompts": [prompt] * n,
+        "tokens": tokens,
+        "pad_token": "[PAD]",
+        "birth_step": [list(range(len(t))) for t in tokens],
+        "rewards": [0.5] * n,
+        "advantages": [0.0] * n,
+        "multipliers": [[0.25 + 0.1 * i for i in range(len(t))] for t in tokens],
+    }
+
+
+def test_inspect_marks_the_givens_and_leaves_padding_out(tmp_path):
+    from daca.train.inspect_run import _BLUE, _ink, drawn_cells, render_html, render_png
+
+    grid = list("4231142241134241")
+    rec = _record([grid, [*grid[:14], "[EOS]", "[PAD]"]], prompt="2301100201033000=")
+    rows = drawn_cells(rec)
+    # Givens of 2301100201033000: cells 0, 1, 3, 4, 7, 9, 11, 12, whatever the model wrote there.
+    assert [c.position for c in rows[0] if c.given] == [0, 1, 3, 4, 7, 9, 11, 12]
+    assert [c.position for c in rows[1]] == list(range(15))  # the [PAD] is not drawn
+    assert rows[1][14].text == "·"
+    assert not any(c.given for c in drawn_cells(_record([grid], "2301", task="ones"))[0])
+    # Text colour by the background's luminance: white on the darkest blue, black on white.
+    assert _ink(_BLUE) == "white" and _ink((1.0, 1.0, 1.0)) == "black"
+    assert rows[0][0].colour == _BLUE  # the smallest multiplier
+    render_png(rec, tmp_path / "r.png")
+    render_html(rec, tmp_path / "r.html", "r.png")
+    page = (tmp_path / "r.html").read_text()
+    assert "[PAD]" not in page and page.count("outline:2px solid black") == 16
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_plots_do_not_magnify_noise():
+    from daca.train.run_logging import honest_limits
+
+    # A fraction (0.455 -> 0.458): the whole [0, 1], so the change looks as small as it is.
+    assert honest_limits([0.455, 0.458], [0.03, 0.03]) == (-0.02, 1.02)
+    lo, hi = honest_limits([0.01, 0.02], [0.05, 0.05])  # an interval below 0 stays visible
+    assert lo <= -0.04 and hi == 1.02
+    # Other scales: never narrower than the widest interval, nor a tenth of the magnitude.
+    lo, hi = honest_limits([10.0, 10.1], [0.0, 0.0])
+    assert hi - lo >= 1.0
+    lo, hi = honest_limits([2.0, 2.1], [1.5, 0.0])
+    assert lo <= 0.5 and hi >= 3.5

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
 from daca.train.compare import ABLATIONS, VARIANTS, parse_variants, run_grid
 from daca.train.config import ConfigError
+from daca.train.interrupts import Interrupted
 from daca.train.methods import METHODS, paper_methods
 
 
@@ -91,5 +93,9 @@ def run(args) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        again = shlex.join(["daca", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else ""
+        print(f"{e}{': ' + again if again else ''}", file=sys.stderr)
+        return e.exit_code
     print((out / f"{args.task}-table.md").read_text())
     return 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+from daca.train.interrupts import Interrupted
 from daca.train.pretrain import PretrainConfig, pretrain
 
 
@@ -53,5 +56,15 @@ def run(args) -> int:
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
     )
-    pretrain(cfg)
+    try:
+        pretrain(cfg)
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # while the data is prepared: nothing trained yet
+        print("interrupted before the first step: nothing to save", file=sys.stderr)
+        return 130
     return 0

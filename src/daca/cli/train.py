@@ -6,6 +6,7 @@ Overrides are ``key=value`` with dotted keys for sections: ``dps.lam=0.5 max_ste
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -57,10 +58,28 @@ def run(args) -> int:
         print(estimate_text(cfg))
         return 0
     from daca.tasks.rewards import RewardError
+    from daca.train.interrupts import Interrupted
     from daca.train.trainer import InputError, TrainingError, train
 
     try:
         summary = train(cfg, resume=bool(args.resume), progress=not args.no_progress)
+    except Interrupted as e:
+        # The trainer saved the last finished step; one line, on one process, says how to go on.
+        _on_main_process(f"{e}")
+        _end_distributed(barrier=True)  # the line is out before a launcher ends any rank
+        return e.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C while the model and data load (before the trainer's own handler): no step ran.
+        run_dir = Path(cfg.output_dir) / cfg.name
+        again = (
+            f"daca train --resume {shlex.quote(str(run_dir))}"
+            if (run_dir / "config.yaml").is_file()
+            else "the same command"
+        )
+        _on_main_process(
+            f"interrupted before the first step: nothing to save; start again with: {again}"
+        )
+        return 130
     except (ConfigError, InputError, FileExistsError) as e:
         # Found before training: the input must change. No traceback: the message says it all.
         print(f"error: {e}", file=sys.stderr)
@@ -77,7 +96,12 @@ def run(args) -> int:
     return 0
 
 
-def _end_distributed() -> None:
+def _on_main_process(line: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr)
+
+
+def _end_distributed(*, barrier: bool = False) -> None:
     """Destroy the process group of a finished multi-process run before the interpreter exits:
     left to interpreter teardown, gloo's threads could abort a rank (SIGABRT, "terminate called
     without an active exception") after a successful run. Errors are left alone: a rank that
@@ -85,4 +109,6 @@ def _end_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if barrier:  # every rank stopped at the same step (an agreed stop): all get here
+            dist.barrier()
         dist.destroy_process_group()

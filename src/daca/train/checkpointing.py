@@ -216,7 +216,9 @@ class CheckpointSteps:
 
     def _resume(self) -> None:
         """Continue from the latest complete checkpoint; none yet (a run stopped before its
-        first one): start over. The logs are cut back to the checkpoint's step."""
+        first one): start over. Nothing the run wrote is deleted: what lies past the
+        checkpoint (log lines, recorded rollouts), or every earlier file when starting over,
+        moves to ``set-aside/N/`` in the run folder (``set_aside``), and a line says so."""
         if self.acc.is_main_process:
             recover(self.run_dir)
         self.acc.wait_for_everyone()
@@ -235,14 +237,14 @@ class CheckpointSteps:
             self.step, self.history, self.evals = state["step"], state["history"], state["evals"]
             self.nonfinite_total = int(sum(h.get("nonfinite_skipped", 0) for h in self.history))
         if self.acc.is_main_process:
-            # The logs may hold steps past the checkpoint: rewrite them from its state.
-            rewrite_jsonl(self.run_dir / "metrics.jsonl", self.history)
-            rewrite_jsonl(self.run_dir / "evals.jsonl", self.evals)
-            print(
-                f"resuming {self.run_dir} from step {self.step}"
-                if found
-                else f"{self.run_dir} has no complete checkpoint yet: starting it over"
-            )
+            moved = set_aside(self.run_dir, self.step if found else None)
+            if found:
+                print(f"resuming {self.run_dir} from step {self.step}")
+                if moved:
+                    print(f"what the run wrote past step {self.step} is kept in {moved}")
+            else:
+                kept = f": its earlier files are kept in {moved}" if moved else ""
+                print(f"{self.run_dir} has no complete checkpoint yet; starting it over{kept}")
         self.acc.wait_for_everyone()
 
 
@@ -300,8 +302,72 @@ def load_trainable(models, input_dir) -> None:
     models.clear()  # loaded: accelerate must not load them again (strictly)
 
 
-def rewrite_jsonl(path: Path, rows: list[dict]) -> None:
-    write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
+# What a run folder keeps across a start-over: its recipe, its checkpoints' folder (empty or
+# leftovers only, when there is no complete checkpoint) and what earlier resumes set aside.
+_KEPT_ON_RESTART = {"config.yaml", "checkpoints", "set-aside"}
+
+
+def set_aside(run_dir: Path, step: int | None) -> Path | None:
+    """Move what a resume from ``step`` would overwrite into a new ``set-aside/N/`` of the run
+    folder; returns it, or None when nothing had to move.
+
+    ``step`` None (no checkpoint: the run starts over): every file but ``config.yaml``.
+    Otherwise the lines of ``metrics.jsonl`` and ``evals.jsonl`` past ``step`` (or torn by a
+    crash) and the recorded rollouts past it; the lines up to ``step`` stay where they are.
+    """
+    run_dir = Path(run_dir)
+    folder = _next_set_aside(run_dir)
+    moved = False
+    if step is None:
+        for p in sorted(run_dir.iterdir()):
+            if p.name not in _KEPT_ON_RESTART and not p.name.startswith("."):
+                folder.mkdir(parents=True, exist_ok=True)
+                os.replace(p, folder / p.name)
+                moved = True
+        return folder if moved else None
+    for name in ("metrics.jsonl", "evals.jsonl"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        kept, past = _split_lines(path.read_text(), step)
+        if past:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(past)
+            write_text_atomically(path, kept)
+            moved = True
+    rollouts = run_dir / "rollouts"
+    later = [p for p in rollouts.glob("step-*.json") if _step_of(p.stem) > step]
+    for p in later:
+        (folder / "rollouts").mkdir(parents=True, exist_ok=True)
+        os.replace(p, folder / "rollouts" / p.name)
+        moved = True
+    return folder if moved else None
+
+
+def _next_set_aside(run_dir: Path) -> Path:
+    root = run_dir / "set-aside"
+    taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
+    return root / str(max(taken, default=0) + 1)
+
+
+def _split_lines(text: str, step: int) -> tuple[str, str]:
+    """The JSON lines of steps up to ``step``, and the others (later steps, torn lines)."""
+    kept, past = [], []
+    for line in text.splitlines(keepends=True):
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            row_step = None
+        fits = isinstance(row_step, int) and row_step <= step and line.endswith("\n")
+        (kept if fits else past).append(line)
+    return "".join(kept), "".join(past)
+
+
+def _step_of(stem: str) -> int:
+    try:
+        return int(stem.split("-")[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -2,7 +2,9 @@
 
 Every cell is a ``daca train`` run with the same budget, seeds and data order; a finished cell
 (its ``summary.json`` exists) is never run again, an interrupted one resumes from its last
-checkpoint. The table reports the held-out metric at temperature 0, mean ± std over seeds, and
+checkpoint. SIGINT or SIGTERM stops the grid: every running cell saves its last finished step
+(the workers of ``--jobs`` too), and running the same command again resumes them. The table
+reports the held-out metric at temperature 0, mean ± std over seeds, and
 the difference to the method's base row, like the paper's main table. ``--jobs N`` runs N cells
 side by side; ``--report-only`` tabulates a partial grid without running anything.
 """
@@ -14,16 +16,17 @@ import csv
 import json
 import multiprocessing
 import os
-import shutil
+import signal
 import statistics
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 from daca.tasks.formats import read_records
 from daca.train.config import VARIANT_SWITCHES, ConfigError, load_config
+from daca.train.interrupts import Interrupted, StopSignals, signal_name
 from daca.train.methods import METHODS, get_method
 
 # The grid's variants: the config's ``variant`` switch (config.VARIANT_SWITCHES).
@@ -109,7 +112,6 @@ def run_grid(
     report_only: run nothing, and write the tables from the cells finished so far.
     """
     from daca.train.checkpointing import latest_checkpoint
-    from daca.train.trainer import train
 
     if jobs < 1:
         raise ConfigError(f"jobs must be >= 1, got {jobs}")
@@ -134,15 +136,13 @@ def run_grid(
         if report_only:
             log(f"[{i}/{len(cells)}] {cell.name}: not finished, left out of the tables")
             continue
-        resume = latest_checkpoint(run_dir) is not None
-        if not resume and run_dir.exists():  # started but no checkpoint: start again
-            shutil.rmtree(run_dir)
-        label = f"[{i}/{len(cells)}] {cell.name}: {'resuming' if resume else 'running'}"
+        # Started before: resumed, or started over with its files set aside (no checkpoint).
+        resume = run_dir.exists()
+        began = latest_checkpoint(run_dir) is not None
+        label = f"[{i}/{len(cells)}] {cell.name}: {'resuming' if began else 'running'}"
         pending.append((cell.name, label, configs[cell.name], resume))
     if jobs == 1:
-        for _, label, cfg, resume in pending:
-            log(label)
-            train(cfg, resume=resume, progress=progress)
+        _run_serial(pending, progress, log)
     else:
         _run_parallel(pending, jobs, log)
     done = [(c, out / "runs" / c.name) for c in cells]
@@ -171,19 +171,61 @@ def _result(cell: Cell, run_dir: Path) -> dict:
     }
 
 
-def _train_cell(cfg, resume: bool, threads: int) -> None:
+def _grid_interrupted(signum: int) -> Interrupted:
+    return Interrupted(
+        signum,
+        f"stopped by {signal_name(signum)}: each running cell saved its last finished step; "
+        f"run the same `daca compare` command again to resume them (finished cells are skipped)",
+    )
+
+
+def _run_serial(pending, progress: bool, log) -> None:
+    from daca.train.trainer import train
+
+    # One request for the grid and its current cell (StopSignals nests): a signal between two
+    # cells stops the grid before the next one.
+    with StopSignals("the running cell saves at the end of its step") as stop:
+        for _, label, cfg, resume in pending:
+            if stop.requested:
+                break
+            log(label)
+            try:
+                train(cfg, resume=resume, progress=progress)
+            except Interrupted as e:
+                raise _grid_interrupted(e.signum) from None
+        if stop.requested:
+            raise _grid_interrupted(stop.signum)
+
+
+# A worker's stop request, for its lifetime: a cell queued after the signal does not start.
+_WORKER_STOP: StopSignals | None = None
+
+
+def _train_cell(cfg, resume: bool, threads: int) -> str:
     import torch
 
     from daca.train.trainer import train
 
+    if _WORKER_STOP is not None and _WORKER_STOP.requested:
+        return "not started"
     torch.set_num_threads(threads)
-    train(cfg, resume=resume, progress=False)
+    try:
+        train(cfg, resume=resume, progress=False)
+    except Interrupted as e:
+        return f"stopped by {signal_name(e.signum)}, saved; resumes when the grid runs again"
+    return "finished"
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A worker's initializer: end the worker when the grid's process is gone. A SIGTERM or
-    SIGKILL to ``daca compare`` would otherwise leave the workers training their cells, unseen;
-    a killed cell resumes from its last checkpoint when the grid is run again."""
+def _init_worker(parent: int) -> None:
+    """A worker's initializer. Its own process group: a Ctrl-C in the terminal reaches the grid's
+    process only, which passes it on once (a second one would quit the cell at once). Its stop
+    request holds for its lifetime. And it ends when the grid's process is gone: a SIGKILL to
+    ``daca compare`` would otherwise leave the workers training their cells, unseen (a killed
+    cell resumes from its last checkpoint when the grid is run again)."""
+    global _WORKER_STOP
+    os.setpgrp()
+    _WORKER_STOP = StopSignals("saving the cell at the end of its step", announce=False)
+    _WORKER_STOP.__enter__()
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -193,26 +235,52 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
+def _signal_workers(pool: ProcessPoolExecutor, signum: int) -> None:
+    for pid in list(getattr(pool, "_processes", None) or {}):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
 def _run_parallel(pending, jobs: int, log) -> None:
     threads = max(1, (os.cpu_count() or 1) // jobs)
     context = multiprocessing.get_context("spawn")  # no forked torch thread pools
     with ProcessPoolExecutor(
         max_workers=jobs,
         mp_context=context,
-        initializer=_exit_with_parent,
+        initializer=_init_worker,
         initargs=(os.getpid(),),
     ) as pool:
-        futures = {}
-        for name, label, cfg, resume in pending:
-            futures[pool.submit(_train_cell, cfg, resume, threads)] = name
-            log(f"{label} (queued, {jobs} at a time)")
-        try:
-            for future in as_completed(futures):
-                future.result()
-                log(f"{futures[future]}: finished")
-        except BaseException:
-            pool.shutdown(cancel_futures=True)  # a failed cell stops the grid; finished cells stay
-            raise
+        stop = StopSignals(
+            "each running cell saves at the end of its step",
+            on_first=lambda signum: _signal_workers(pool, signum),
+            on_second=lambda signum: _signal_workers(pool, signal.SIGKILL),
+        )
+        with stop:
+            futures = {}
+            for name, label, cfg, resume in pending:
+                futures[pool.submit(_train_cell, cfg, resume, threads)] = name
+                log(f"{label} (queued, {jobs} at a time)")
+            try:
+                _wait_for_cells(futures, stop, log)
+            except BaseException:
+                # A failed cell stops the grid; finished cells stay.
+                pool.shutdown(cancel_futures=True)
+                if stop.requested:  # e.g. a worker hit by the signal before its handler was set
+                    raise _grid_interrupted(stop.signum) from None
+                raise
+            if stop.requested:
+                raise _grid_interrupted(stop.signum)
+
+
+def _wait_for_cells(futures: dict, stop: StopSignals, log) -> None:
+    """Report each cell as it ends; after a stop request, cancel the cells not yet started."""
+    remaining = set(futures)
+    while remaining:
+        done, remaining = wait(remaining, timeout=1.0, return_when=FIRST_COMPLETED)
+        for future in done:
+            log(f"{futures[future]}: {future.result()}")
+        if stop.requested:
+            remaining = {f for f in remaining if not f.cancel()}
 
 
 TABLE_FIELDS = ["method", "variant", "mean", "std", "seeds", "delta", "delta_std", "minutes"]
@@ -291,6 +359,8 @@ def _plots(results, rows, out: Path, task: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from daca.train.run_logging import honest_limits
+
     methods = sorted({r["method"] for r in results})
     fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.5), squeeze=False)
     for ax, m in zip(axes[0], methods, strict=True):
@@ -303,6 +373,7 @@ def _plots(results, rows, out: Path, task: str) -> None:
                 for c in curves:
                     ax.plot(*zip(*c, strict=True), color=line.get_color(), alpha=0.25, lw=0.8)
         ax.set(title=f"{task}: {m}", xlabel="step", ylabel="held-out metric")
+        ax.set_ylim(*honest_limits([r["held_out"] for r in results], [0.0] * len(results)))
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{task}-curves.png", dpi=110)
@@ -312,6 +383,7 @@ def _plots(results, rows, out: Path, task: str) -> None:
     labels = [f"{r['method']}\n{r['variant']}" for r in rows]
     ax.bar(labels, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], capsize=3)
     ax.set(ylabel=f"held-out {task}", title=f"{task}: final held-out metric")
+    ax.set_ylim(*honest_limits([r["mean"] for r in rows], [r["std"] for r in rows]))
     fig.tight_layout()
     fig.savefig(out / f"{task}-bars.png", dpi=110)
     plt.close(fig)

@@ -4,12 +4,16 @@ Objective (LLaDA's SFT loss): each completion token is masked with probability t
 (one t per example), and the cross-entropy on the masked tokens is weighted by 1/t. The
 prompt stays visible. Training stops at ``max_steps`` or as soon as the held-out metric of
 the stopping task reaches ``target_accuracy``: supervised training learns these tasks almost
-at once, and RL needs a base model that is above chance but far from perfect.
+at once, and RL needs a base model that is above chance but far from perfect. SIGINT or SIGTERM
+saves the model of the last finished step and raises ``Interrupted`` (``--init-from`` continues).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shlex
+import shutil
 import time
 from dataclasses import asdict, dataclass
 
@@ -24,6 +28,7 @@ from daca.models.tiny import new_tiny, save_tiny
 from daca.tasks import get_task
 from daca.train.config import GenerationConfig
 from daca.train.evaluation import evaluate
+from daca.train.interrupts import Interrupted, StopSignals, signal_name
 
 
 @dataclass
@@ -85,7 +90,11 @@ def _bundle(model, tokenizer) -> LoadedModel:
 
 
 def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
-    """Train, save the model folder to ``cfg.out`` and return the summary (also in daca.json)."""
+    """Train, save the model folder to ``cfg.out`` and return the summary (also in daca.json).
+
+    An ``out`` that holds a model is replaced only when it is the model continued
+    (``init_from``): a new model never overwrites an earlier one (FileExistsError)."""
+    _check_out(cfg)
     names = ["sudoku", "countdown"] if cfg.task == "mix" else [cfg.task]
     deadline = None if cfg.max_minutes is None else time.time() + 60 * cfg.max_minutes
     tasks = {n: get_task(n) for n in names}
@@ -145,58 +154,104 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
 
         bar = tqdm(total=cfg.max_steps, desc="pretrain", unit="step")
     start = time.time()
-    metrics = held_out(0)
-    step = 0
-    index: list[int] = []
-    while step < cfg.max_steps:
-        if cfg.target_accuracy is not None and metrics[stop_task] >= cfg.target_accuracy:
-            break
-        if deadline is not None and time.time() > deadline:
-            break
-        if len(index) < cfg.batch_size:
-            perm = list(range(len(targets)))
-            order_rng.shuffle(perm)
-            index += perm
-        batch, index = index[: cfg.batch_size], index[cfg.batch_size :]
-        model.train()
-        loss = masked_diffusion_loss(
-            model,
-            p_ids[batch],
-            p_mask[batch],
-            targets[batch],
-            mask_id=bundle.mask_id,
-            generator=gen_torch,
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        model.eval()
-        step += 1
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            metrics = held_out(step)
+    stop = StopSignals("saving the model at the end of this step")
+    with stop:
+        metrics = held_out(0)
+        log(f"pretraining {cfg.task} from step {offset}: Ctrl-C saves the model and stops")
+        step = 0
+        index: list[int] = []
+        while step < cfg.max_steps and not stop.requested:
+            if cfg.target_accuracy is not None and metrics[stop_task] >= cfg.target_accuracy:
+                break
+            if deadline is not None and time.time() > deadline:
+                break
+            if len(index) < cfg.batch_size:
+                perm = list(range(len(targets)))
+                order_rng.shuffle(perm)
+                index += perm
+            batch, index = index[: cfg.batch_size], index[cfg.batch_size :]
+            model.train()
+            loss = masked_diffusion_loss(
+                model,
+                p_ids[batch],
+                p_mask[batch],
+                targets[batch],
+                mask_id=bundle.mask_id,
+                generator=gen_torch,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            model.eval()
+            step += 1
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                metrics = held_out(step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{loss.item():.3f}", **{n: f"{metrics[n]:.3f}" for n in names}
+                )
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", **{n: f"{metrics[n]:.3f}" for n in names})
-    if bar is not None:
-        bar.close()
-    if history[-1]["step"] != offset + step:
-        metrics = held_out(step)
-
-    final = {n: metrics[n] for n in names}
-    for n in cfg.also_eval:  # e.g. countdown-public: the public distribution of the task
-        rows = get_task(n).load(split="test", limit=cfg.eval_size, seed=cfg.seed)
-        final[n] = evaluate(bundle, get_task(n), rows, gen, batch_size=200).mean
-    summary = {
-        "generation": asdict(gen),
-        "pretrain": asdict(cfg),
-        "steps_trained": offset + step,
-        "seconds": round(prior["seconds"] + time.time() - start, 1),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "held_out": final,
-        "eval_size": cfg.eval_size,
-        "history": history,
-    }
-    out = save_tiny(cfg.out, model, tokenizer, **summary)
+            bar.close()
+        interrupted = stop.signum
+        if interrupted is None and history[-1]["step"] != offset + step:
+            metrics = held_out(step)
+        final = {n: metrics[n] for n in names}
+        for n in cfg.also_eval if interrupted is None else ():
+            # e.g. countdown-public: the public distribution of the task
+            rows = get_task(n).load(split="test", limit=cfg.eval_size, seed=cfg.seed)
+            final[n] = evaluate(bundle, get_task(n), rows, gen, batch_size=200).mean
+        summary = {
+            "generation": asdict(gen),
+            "pretrain": asdict(cfg),
+            "steps_trained": offset + step,
+            "seconds": round(prior["seconds"] + time.time() - start, 1),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "held_out": final,
+            "held_out_step": history[-1]["step"],
+            "eval_size": cfg.eval_size,
+            "history": history,
+        }
+        out = _save_atomically(cfg.out, model, tokenizer, summary)
     summary = {"family": "llada", "prompt_format": "compact", **summary}
     log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {v:.3f}" for n, v in final.items()))
+    if interrupted is not None:
+        folder = shlex.quote(str(out))
+        raise Interrupted(
+            interrupted,
+            f"stopped by {signal_name(interrupted)} after {offset + step} steps (model saved to "
+            f"{out}, held-out metric of step {history[-1]['step']}); continue with: daca pretrain "
+            f"--init-from {folder} --out {folder} (and the other flags you gave)",
+        )
     return summary
+
+
+def _check_out(cfg: PretrainConfig) -> None:
+    from pathlib import Path
+
+    out = Path(cfg.out)
+    continued = cfg.init_from is not None and Path(cfg.init_from).resolve() == out.resolve()
+    if (out / "daca.json").is_file() and not continued:
+        raise FileExistsError(
+            f"--out {out} already holds a model; choose another --out, or continue that model "
+            f"with --init-from {out} --out {out}"
+        )
+
+
+def _save_atomically(folder, model, tokenizer, summary: dict):
+    """``save_tiny`` into a temporary folder renamed into place: an interrupted save leaves the
+    earlier model (``--init-from`` may name this very folder) or the new one, never a mix."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_tiny(tmp, model, tokenizer, **summary)
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, folder)
+    return folder

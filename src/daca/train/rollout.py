@@ -259,6 +259,7 @@ class RolloutSteps:
             "lam": self.cfg.dps.lam if self.cfg.dps.enabled else 0.0,
             "prompts": prompts,
             "tokens": [tok.convert_ids_to_tokens(r) for r in out.completion_ids[:G].tolist()],
+            "pad_token": tok.pad_token,  # left out of daca inspect's pictures
             "birth_step": out.birth_step[:G].tolist(),
             "num_steps": out.num_steps,
             "rewards": rewards.tolist(),

@@ -12,6 +12,8 @@ continues exactly. METHOD.md §4 is the law.
 from __future__ import annotations
 
 import copy
+import math
+import shlex
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from daca.train.checkpointing import (
 )
 from daca.train.config import TrainConfig, resolved, validate
 from daca.train.errors import InputError, TrainingError
+from daca.train.interrupts import Interrupted, StopSignals, signal_name
 from daca.train.methods import METHODS
 from daca.train.rollout import RolloutSteps
 from daca.train.setup import SetupSteps
@@ -182,8 +185,10 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
         return out
 
     # ----------------------------------------------------------------- evaluation
-    def evaluate(self) -> float:
-        """Held-out metric at temperature 0, each rank scoring its share of the rows."""
+    def evaluate(self) -> tuple[float, float]:
+        """Held-out metric at temperature 0 and the half-width of its 95 % interval (normal
+        approximation over the examples, as ``daca.train.evaluation.mean_ci95``), each rank
+        scoring its share of the rows."""
         model = self.acc.unwrap_model(self.model)
         rows = self.eval_rows[self.rank :: self.world]
         # Pad to equal counts: a sharded model (FSDP) runs collectives in every forward.
@@ -210,10 +215,20 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
         finally:
             model.train(was_training)
         scores = scores[: len(rows)]
-        total = torch.tensor([sum(scores), len(scores)], dtype=torch.float64)
+        total = torch.tensor(
+            [sum(scores), sum(s * s for s in scores), len(scores)], dtype=torch.float64
+        )
         if self.world > 1:
             total = self.acc.reduce(total.to(self.acc.device), reduction="sum").cpu()
-        return (total[0] / total[1]).item()
+        n = total[2].item()
+        mean = (total[0] / total[2]).item()
+        var = max(0.0, (total[1].item() - n * mean * mean) / (n - 1)) if n > 1 else float("nan")
+        return mean, 1.96 * math.sqrt(var / n)
+
+    def _log_evaluation(self, logger) -> None:
+        mean, ci95 = self.evaluate()
+        self.evals.append({"step": self.step, "held_out": mean, "held_out_ci95": ci95})
+        logger.log_eval(self.evals[-1])
 
     # ----------------------------------------------------------------- the loop
     def _stop_if_nonfinite(self) -> None:
@@ -246,37 +261,25 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
         )
 
     def train(self) -> dict:
+        """Run to ``max_steps``; SIGINT or SIGTERM stops every rank at the end of a step with a
+        checkpoint of it and raises ``Interrupted`` (``daca.train.interrupts``)."""
         from daca.train.run_logging import RunLogger
 
         cfg = self.cfg
         logger = RunLogger(
-            self.run_dir, cfg, enabled=self.acc.is_main_process, progress=self.progress
+            self.run_dir,
+            cfg,
+            enabled=self.acc.is_main_process,
+            progress=self.progress,
+            history=self.history,
+            evals=self.evals,
         )
-        if not self.evals:
-            self.evals.append({"step": 0, "held_out": self.evaluate()})
-            logger.log_eval(self.evals[-1])
-        start_step = self.step
-        logger.start(total=cfg.max_steps, initial=start_step, held_out=self.evals[-1]["held_out"])
+        stop = StopSignals(
+            "saving at the end of this step or evaluation", announce=self.acc.is_main_process
+        )
         try:
-            while self.step < cfg.max_steps:
-                try:
-                    stats = self.train_step()
-                except torch.OutOfMemoryError as e:
-                    raise TrainingError(self._out_of_memory(e)) from e
-                self.nonfinite_total += int(stats["nonfinite_skipped"])
-                stats["nonfinite_steps"] = float(self.nonfinite_total)
-                self.history.append(stats)
-                logger.log_step(stats)
-                self._stop_if_nonfinite()
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
-                    self.evals.append({"step": self.step, "held_out": self.evaluate()})
-                    logger.log_eval(self.evals[-1])
-                if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
-                    self.save()
-            if self.evals[-1]["step"] != self.step:
-                self.evals.append({"step": self.step, "held_out": self.evaluate()})
-                logger.log_eval(self.evals[-1])
-            self.save()
+            with stop:
+                self._train_loop(logger, stop)
         except Exception as e:
             if self.world > 1 and _peer_gone(e):
                 # Another process failed and closed its connections: its error is the one to
@@ -296,6 +299,55 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
         if self.acc.is_main_process:
             logger.finish(self.history, self.evals, summary)
         return summary
+
+    def _train_loop(self, logger, stop: StopSignals) -> None:
+        cfg = self.cfg
+        if not self.evals:
+            self._log_evaluation(logger)
+        logger.start(total=cfg.max_steps, initial=self.step, held_out=self.evals[-1]["held_out"])
+        while self.step < cfg.max_steps:
+            # Every rank stops at the same step, whichever got the signal (one collective).
+            signum = self._agreed_signal(stop.signum)
+            if signum is not None:
+                self._stop_for(signum, logger)
+            try:
+                stats = self.train_step()
+            except torch.OutOfMemoryError as e:
+                raise TrainingError(self._out_of_memory(e)) from e
+            self.nonfinite_total += int(stats["nonfinite_skipped"])
+            stats["nonfinite_steps"] = float(self.nonfinite_total)
+            self.history.append(stats)
+            logger.log_step(stats)
+            self._stop_if_nonfinite()
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
+                self._log_evaluation(logger)
+            if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                self.save()
+        if self.evals[-1]["step"] != self.step:
+            self._log_evaluation(logger)
+        self.save()
+
+    def _agreed_signal(self, signum: int | None) -> int | None:
+        """The stop signal any rank received (the largest number), else None; a collective."""
+        if self.world == 1:
+            return signum
+        t = torch.tensor([float(signum or 0)], device=self.acc.device)
+        agreed = int(self.acc.gather(t).max().item())
+        return agreed or None
+
+    def _stop_for(self, signum: int, logger) -> None:
+        """Save the last finished step, refresh the plots and raise ``Interrupted``."""
+        if self.step > 0:
+            self.save()  # nothing new when this step's checkpoint is already written
+            saved = f"checkpoint of step {self.step} in {self.run_dir / 'checkpoints'}"
+        else:
+            saved = "no step had finished: nothing to save"
+        logger.plot()
+        raise Interrupted(
+            signum,
+            f"stopped by {signal_name(signum)} at step {self.step} of {self.cfg.max_steps} "
+            f"({saved}); continue with: daca train --resume {shlex.quote(str(self.run_dir))}",
+        )
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:
