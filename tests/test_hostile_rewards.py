@@ -351,3 +351,46 @@ def test_eight_hanging_completions_in_ten_cost_one_restart(monkeypatch):
     assert total.tolist() == [1.0, *[0.0] * 4, 1.0, *[0.0] * 4] and errors == 8
     assert len(starts) == 1
     assert seconds < 3 * (LIMIT + SLACK)
+
+
+def _closes_its_pipes(prompts, completions, **columns):
+    if "close" in completions:
+        os.closerange(3, 4096)  # the worker's socket, and in a rescue the pipe of its outcomes
+        time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+_closes_its_pipes.reward_guard = "process"
+
+
+def test_an_example_that_closes_its_pipes_is_stopped_and_the_others_kept():
+    """The worker loses its socket (the batch is rescued); the example's own process then
+    closes its pipe and sleeps: it is stopped at once, not waited for."""
+    (per, total, errors), seconds = _timed(
+        score_rewards, [_closes_its_pipes], [1.0], ["p"] * 3, ["a", "close", "b"], {}, timeout=60
+    )
+    assert total.tolist() == [1.0, 0.0, 1.0] and errors == 1
+    assert seconds < 30  # well within the 60 s that the example could have had
+
+
+_IMPORTED = []
+
+
+def _import_slowly():
+    time.sleep(1.5)  # stands for a heavy import (math-verify and sympy: ~0.4 s, more under load)
+    _IMPORTED.append(True)
+
+
+def _imports_on_first_use(prompts, completions, **columns):
+    if not _IMPORTED:
+        _import_slowly()
+    return [1.0] * len(completions)
+
+
+_imports_on_first_use.reward_guard = "process"
+_imports_on_first_use.reward_warmup = _import_slowly
+
+
+def test_a_reward_warmup_runs_when_the_function_is_loaded_not_within_the_limit():
+    per, total, errors = score_rewards([_imports_on_first_use], [1.0], ["p"], ["a"], {}, timeout=1)
+    assert total.tolist() == [1.0] and errors == 0

@@ -11,13 +11,15 @@ exhaust the recursion limit of a parser. So:
   scores the batch with each function in one call, all within ``timeout``. Past that (or when
   it dies) it is killed with its process group, and a fresh worker scores what is left example
   by example, each example in a process of its own forked from it (RESCUE_WIDTH at once), with
-  what is left of ``timeout`` but at least RESCUE_SECONDS (or ``timeout`` / 2 if shorter): an
+  what is left of ``timeout`` but at least RESCUE_SECONDS: an
   example still running then is stopped, scores 0 and is logged with its index (the functions
   after the one it was stopped in are not run on it), and the others keep their scores. One
   restart serves the whole batch and its hostile examples are stopped together, so a
   completion's scoring ends within ``timeout`` + RESCUE_SECONDS + the restart (~0.2 s, plus
   re-importing what the last worker had imported: ~0.4 s for math-verify), for up to
   RESCUE_WIDTH hostile completions in a batch (each further RESCUE_WIDTH: one more share).
+  A function may carry ``reward_warmup``, a callable the worker runs once after loading it
+  (imports, caches), outside any limit.
 - Other functions (a user's: they may hold a model or state that must not be copied into another
   process; ``reward_guard = "thread"`` asks for this too) run in a daemon thread, whose limit is
   soft: a call that does not return is abandoned, and its batch scores 0.
@@ -31,6 +33,7 @@ This module imports nothing heavy at import time: the worker imports it by itsel
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import logging
@@ -278,6 +281,15 @@ def _warm(names) -> None:
             continue
 
 
+def _warm_up(func) -> None:
+    """A function's ``reward_warmup()`` (imports, caches), run once where it is loaded: its cost
+    then does not count against the first batch's time."""
+    warm_up = getattr(func, "reward_warmup", None)
+    if callable(warm_up):
+        with contextlib.suppress(Exception):  # the scoring itself will say what is wrong
+            warm_up()
+
+
 def _serve(sock_fd: int, parent: int, from_main_thread: int) -> None:
     """The worker's loop: ("load", key, pickled function) -> error or None;
     ("batch", prompts, completions, columns) -> nothing; ("warm", module names) -> None;
@@ -304,6 +316,8 @@ def _serve(sock_fd: int, parent: int, from_main_thread: int) -> None:
                 reply = None
             except Exception as e:  # noqa: BLE001 - the parent falls back to a thread
                 reply = _describe(e)
+            if reply is None:
+                _warm_up(funcs[args[0]])
             conn.send_bytes(pickle.dumps(reply))
         elif kind == "warm":
             _warm(args[0])
@@ -417,8 +431,9 @@ def _rescue(funcs, style, batch, todo, budget: float | None, late: str) -> dict[
             chunk = os.read(pipe, 1 << 16)
             if chunk:
                 running[pipe].data += chunk
-            else:  # it has finished (or died)
+            else:  # it has finished, died, or closed its pipe (then it is stopped now)
                 child = running.pop(pipe)
+                os.kill(child.pid, signal.SIGKILL)  # not reaped yet: the pid is still its
                 found[child.example] = child.outcomes("died")
         now = time.monotonic()
         for pipe, child in list(running.items()):
@@ -431,11 +446,11 @@ def _rescue(funcs, style, batch, todo, budget: float | None, late: str) -> dict[
 
 def _rescue_budget(timeout: float | None, spent: float) -> float | None:
     """Seconds each example gets when it is scored on its own after the batch ran ``spent`` s:
-    what is left of ``timeout``, and at least RESCUE_SECONDS (or ``timeout`` / 2 if shorter) so
-    that the quick examples of a batch that ran out of time are still scored."""
+    what is left of ``timeout``, and at least RESCUE_SECONDS, so that the quick examples of a
+    batch that ran out of time are still scored (on a loaded machine too)."""
     if timeout is None:
         return None
-    return max(timeout - spent, min(timeout / 2, RESCUE_SECONDS))
+    return max(timeout - spent, RESCUE_SECONDS)
 
 
 class _Unusable(Exception):
