@@ -380,7 +380,12 @@ class _Child:
         self.example, self.positions, self.data = example, positions, bytearray()
         self.deadline = None if budget is None else time.monotonic() + budget
         self.pipe, write = os.pipe()
-        self.pid = os.fork()
+        try:
+            self.pid = os.fork()
+        except OSError:
+            os.close(self.pipe)
+            os.close(write)
+            raise
         if self.pid == 0:
             os.close(self.pipe)
             _score_in_child(funcs, style, batch, example, positions, write)
@@ -520,6 +525,14 @@ class RewardGuard:
     def _send(self, message: bytes) -> None:
         self._conn.send_bytes(message)
 
+    def _try_send(self, message: bytes) -> bool:
+        """Whether ``message`` reached the worker (False: it has died)."""
+        try:
+            self._send(message)
+            return True
+        except OSError:
+            return False
+
     def _load(self, func) -> None:
         if id(func) in self._loaded:
             return
@@ -597,11 +610,11 @@ class RewardGuard:
         """Each function at ``todo`` on the whole batch, all within ``budget`` s; the positions
         not finished then (the worker is then killed)."""
         deadline = None if budget is None else time.monotonic() + budget
-        self._send(pickle.dumps(("run", [id(funcs[p]) for p in todo], style)))
+        sent = self._try_send(pickle.dumps(("run", [id(funcs[p]) for p in todo], style)))
         left = dict.fromkeys(todo)
         while left:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self._receive(wait)
+            reply = self._receive(wait) if sent else "died"
             if not isinstance(reply, tuple):  # "timeout" or "died"
                 self.close()
                 break
@@ -622,15 +635,17 @@ class RewardGuard:
         except (_Unusable, OSError) as e:
             warmed = _describe(e)
         if warmed is not None:
+            self.close()
             why = f"the reward worker did not restart ({warmed})"
             for p in left:
                 results[p] = [("timeout", why)] * n
             return
         keys = [id(funcs[p]) for p in left]
         todo = [(i, list(range(len(left)))) for i in range(n)]
-        self._send(pickle.dumps(("rescue", keys, style, todo, budget, late)))
-        waves = -(-n // RESCUE_WIDTH)
-        reply = self._receive(None if budget is None else waves * budget + _REPLY_MARGIN)
+        reply = "died"
+        if self._try_send(pickle.dumps(("rescue", keys, style, todo, budget, late))):
+            waves = -(-n // RESCUE_WIDTH)
+            reply = self._receive(None if budget is None else waves * budget + _REPLY_MARGIN)
         if not isinstance(reply, dict):
             self.close()
             reply = {}
