@@ -181,7 +181,8 @@ def meta_problem(meta) -> str | None:
 
 # Weight files that are pickles: loading one may run code (torch.load's weights_only stops
 # the known ways, but daca reads weights from safetensors only, which cannot).
-_PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+# (A trainer's training_args.bin or optimizer.pt beside safetensors weights is never read.)
+_PICKLE_WEIGHTS = ("pytorch_model*.bin", "adapter_model.bin", "model*.pt", "model*.pth", "*.ckpt")
 
 
 def check_weights_format(path: str) -> None:
