@@ -22,7 +22,7 @@ from daca.tasks import get_task
 from daca.tasks.common import answer_tag_span
 from daca.tasks.formats import fenced_blocks, is_soft_format, is_strict_format
 from daca.tasks.mathcheck import last_boxed, math_equal
-from daca.tasks.rewards import RewardError, score_completions, score_rewards
+from daca.tasks.rewards import RewardError, RewardGuard, score_completions, score_rewards
 
 pytest.importorskip("jsonschema")
 
@@ -266,3 +266,124 @@ def test_an_abandoned_batch_does_not_keep_the_process_alive(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"worker {pid} still alive")
+
+
+# ---------------------------------------------------------------- the time bound per completion
+def _worker_starts(monkeypatch) -> list:
+    """Appends one entry per reward worker started (a restart after a kill included)."""
+    starts = []
+    start = RewardGuard._start
+
+    def counted(self):
+        starts.append(1)
+        return start(self)
+
+    monkeypatch.setattr(RewardGuard, "_start", counted)
+    return starts
+
+
+def _hangs_on(prompts, completions, **columns):
+    if any("hang" in c for c in completions):
+        time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+def _also_hangs_on(prompts, completions, **columns):
+    return _hangs_on(prompts, completions)
+
+
+_hangs_on.reward_guard = _also_hangs_on.reward_guard = "process"
+
+
+@pytest.mark.parametrize(
+    "flood",
+    ["\\boxed{" * 1_430_000, "\\boxed{" + "1+" * 5_000_000 + "1}"],
+    ids=["10MB-open-boxes", "10MB-closed-box"],
+)
+def test_math500_on_10_mb_of_boxes_stops_nothing_and_keeps_the_others(flood):
+    """The answer extraction and math-verify's input are capped by size: nothing has to be
+    stopped (errors 0: before, correctness_reward ran past the limit), the flood earns no
+    correctness, and the other completions keep their rewards."""
+    task = get_task("math500")
+    completions = ["\\boxed{5}", flood, "<answer>\\boxed{5}</answer>"]
+    columns = {"problem": ["p"] * 3, "answer": ["5"] * 3}
+    per, total, errors = score_rewards(
+        task.reward_funcs, task.reward_weights, ["p"] * 3, completions, columns, timeout=LIMIT
+    )
+    assert errors == 0
+    assert per[:, 0].tolist() == [2.0, 0.0, 2.0] and total[0] == 2.5 and total[2] == 3.0
+
+
+def test_two_reward_functions_share_one_budget_and_one_restart(monkeypatch):
+    """Both functions hang on example 1: the first uses up the example's time (cause: timeout,
+    one error), the second is not run on it, the others keep their rewards, and one worker
+    restart serves both functions (before: each function had its own limit and restarts)."""
+    score_rewards([_hangs_on], [1.0], ["p"], ["ok"], {}, timeout=LIMIT)  # a worker is up
+    starts = _worker_starts(monkeypatch)
+    completions = ["a", "hang", "b"]
+    per, total, errors = score_rewards(
+        [_hangs_on, _also_hangs_on], [1.0, 1.0], ["p"] * 3, completions, {}, timeout=LIMIT
+    )
+    assert per.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]] and errors == 1
+    assert len(starts) == 1  # the fact that bounds the time (a loaded machine stretches it)
+    with pytest.raises(RewardError, match=r"_hangs_on was stopped on example 1 \(no answer"):
+        score_rewards(
+            [_hangs_on], [1.0], ["p"] * 2, ["a", "hang"], {}, on_timeout="raise", timeout=LIMIT
+        )
+
+
+def test_eight_hanging_completions_in_ten_cost_one_restart(monkeypatch):
+    """8 of 10 completions hang: they are stopped together, the 2 others are scored, and the
+    batch costs one worker restart (before: one restart and one limit per hanging example)."""
+    score_rewards([_hangs_on], [1.0], ["p"], ["ok"], {}, timeout=LIMIT)
+    starts = _worker_starts(monkeypatch)
+    completions = ["a", *["hang"] * 4, "b", *["hang"] * 4]
+    (per, total, errors), seconds = _timed(
+        score_rewards, [_hangs_on], [1.0], ["p"] * 10, completions, {}, timeout=LIMIT
+    )
+    assert total.tolist() == [1.0, *[0.0] * 4, 1.0, *[0.0] * 4] and errors == 8
+    assert len(starts) == 1  # before: 8 (one per hanging example, each after its own limit)
+    assert seconds < 30  # a ceiling for a loaded machine; alone it took 2.5-3 s
+
+
+def _closes_its_pipes(prompts, completions, **columns):
+    if "close" in completions:
+        os.closerange(3, 4096)  # the worker's socket, and in a rescue the pipe of its outcomes
+        time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+_closes_its_pipes.reward_guard = "process"
+
+
+def test_an_example_that_closes_its_pipes_is_stopped_and_the_others_kept():
+    """The worker loses its socket (the batch is rescued); the example's own process then
+    closes its pipe and sleeps: it is stopped at once, not waited for."""
+    (per, total, errors), seconds = _timed(
+        score_rewards, [_closes_its_pipes], [1.0], ["p"] * 3, ["a", "close", "b"], {}, timeout=60
+    )
+    assert total.tolist() == [1.0, 0.0, 1.0] and errors == 1
+    assert seconds < 30  # well within the 60 s that the example could have had
+
+
+_IMPORTED = []
+
+
+def _import_slowly():
+    time.sleep(1.5)  # stands for a heavy import (math-verify and sympy: ~0.4 s, more under load)
+    _IMPORTED.append(True)
+
+
+def _imports_on_first_use(prompts, completions, **columns):
+    if not _IMPORTED:
+        _import_slowly()
+    return [1.0] * len(completions)
+
+
+_imports_on_first_use.reward_guard = "process"
+_imports_on_first_use.reward_warmup = _import_slowly
+
+
+def test_a_reward_warmup_runs_when_the_function_is_loaded_not_within_the_limit():
+    per, total, errors = score_rewards([_imports_on_first_use], [1.0], ["p"], ["a"], {}, timeout=1)
+    assert total.tolist() == [1.0] and errors == 0

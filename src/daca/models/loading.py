@@ -95,10 +95,126 @@ def resolve(name_or_path: str | None) -> str:
     return name
 
 
+class ModelFolderError(ValueError):
+    """A model folder daca refuses to load (the message is one line naming the file and the
+    problem): a pickle checkpoint, a bad ``daca.json``, code the folder asks to run."""
+
+
+# What daca.json may hold, and the JSON types of its values (model_folder_problems). The
+# generation keys are GenerationConfig's (daca.train.config); others there are ignored.
+_META_TYPES = {
+    "family": str,
+    "prompt_format": str,
+    "prompt_width": int,
+    "generation": dict,
+    "base_model": str,
+    # What ``daca pretrain`` records about the run that made a shipped model.
+    "pretrain": dict,
+    "steps_trained": int,
+    "seconds": (int, float),
+    "parameters": int,
+    "held_out": dict,
+    "eval_size": int,
+    "history": list,
+}
+_GENERATION_TYPES = {
+    "gen_length": int,
+    "steps": int,
+    "block_length": int,
+    "temperature": (int, float),
+    "cfg_scale": (int, float),
+    "remasking": str,
+    "cache": str,
+    "refresh_every": (int, type(None)),
+    "trace_refresh": str,
+    "parallel_threshold": (int, float, type(None)),
+}
+_POSITIVE = ("prompt_width", "gen_length", "steps", "block_length")
+PROMPT_FORMATS = ("compact", "chat")
+
+
 def read_meta(path: str) -> dict:
-    """The ``daca.json`` of a folder written by daca ({} for others and hub names)."""
+    """The ``daca.json`` of a folder written by daca ({} for others and hub names);
+    ModelFolderError for one that is not JSON or holds what ``daca.json`` cannot."""
     meta_file = Path(path) / "daca.json"
-    return json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    if not meta_file.is_file():
+        return {}
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFolderError(f"{meta_file} is not JSON ({e}); fix or delete it") from None
+    problem = meta_problem(meta)
+    if problem:
+        raise ModelFolderError(f"{meta_file}: {problem}")
+    return meta
+
+
+def _type_problem(key: str, value, expected) -> str | None:
+    names = expected if isinstance(expected, tuple) else (expected,)
+    if not isinstance(value, names) or isinstance(value, bool):  # true is no number here
+        wanted = " or ".join("null" if t is type(None) else t.__name__ for t in names)
+        return f"{key} must be {wanted}, not {json.dumps(value)[:60]}"
+    if key.removeprefix("generation.") in _POSITIVE and value <= 0:
+        return f"{key} must be positive, not {value}"
+    return None
+
+
+def meta_problem(meta) -> str | None:
+    """What is wrong with the contents of a ``daca.json``, or None."""
+    if not isinstance(meta, dict):
+        return f"must hold a JSON object, not {type(meta).__name__}"
+    unknown = sorted(set(meta) - set(_META_TYPES))
+    if unknown:
+        return f"unknown key(s) {unknown}; daca.json holds only {sorted(_META_TYPES)}"
+    for key, value in meta.items():
+        if problem := _type_problem(key, value, _META_TYPES[key]):
+            return problem
+    if meta.get("prompt_format", "chat") not in PROMPT_FORMATS:
+        return f"prompt_format must be one of {list(PROMPT_FORMATS)}, not {meta['prompt_format']!r}"
+    for key, value in meta.get("generation", {}).items():
+        if key in _GENERATION_TYPES and (
+            problem := _type_problem(f"generation.{key}", value, _GENERATION_TYPES[key])
+        ):
+            return problem
+    return None
+
+
+# Weight files that are pickles: loading one may run code (torch.load's weights_only stops
+# the known ways, but daca reads weights from safetensors only, which cannot).
+# (A trainer's training_args.bin or optimizer.pt beside safetensors weights is never read.)
+_PICKLE_WEIGHTS = ("pytorch_model*.bin", "adapter_model.bin", "model*.pt", "model*.pth", "*.ckpt")
+
+
+def check_weights_format(path: str) -> None:
+    """ModelFolderError for a local folder whose weights exist only as pickles."""
+    folder = Path(path)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(f.name for pattern in _PICKLE_WEIGHTS for f in folder.glob(pattern))
+    if pickles:
+        raise ModelFolderError(
+            f"{path} holds its weights only as a pickle ({', '.join(pickles[:3])}), which daca "
+            "does not load (unpickling can run code); convert it to safetensors where you trust "
+            "it, e.g. model.save_pretrained(folder, safe_serialization=True)"
+        )
+
+
+def check_remote_code(path: str, hub: dict, family: str, trust_remote_code: bool) -> None:
+    """ModelFolderError for a config.json whose ``auto_map`` names code that transformers
+    would have to run (a family daca does not run natively, without trust_remote_code)."""
+    auto_map = hub.get("auto_map")
+    if family in NATIVE or trust_remote_code or not auto_map:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if hub.get("model_type") in CONFIG_MAPPING:
+        return  # transformers' own class is used; the folder's code is not run
+    shown = json.dumps(auto_map)[:120]
+    raise ModelFolderError(
+        f"{path}: config.json's auto_map {shown} names code in the model folder for model_type "
+        f"{hub.get('model_type')!r}, which daca does not run; use a LLaDA or Dream checkpoint, "
+        "or load it with daca.models.load(..., trust_remote_code=True) if you trust that code"
+    )
 
 
 def hub_config(path: str) -> dict:
@@ -108,8 +224,16 @@ def hub_config(path: str) -> dict:
     if Path(path).is_dir():
         if not (Path(path) / "config.json").is_file():
             raise OSError(f"{path} has no config.json: it is not a model folder")
-        return json.loads((Path(path) / "config.json").read_text())
-    return json.loads(Path(cached_file(path, "config.json")).read_text())
+        file = Path(path) / "config.json"
+    else:
+        file = Path(cached_file(path, "config.json"))
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFolderError(f"{file} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelFolderError(f"{file} must hold a JSON object, not {type(config).__name__}")
+    return config
 
 
 def family_of(model_type: str | None) -> str:
@@ -138,11 +262,13 @@ def load(
     """
     path = resolve(name_or_path)
     meta = read_meta(path)
+    check_weights_format(path)
     if (Path(path) / "adapter_config.json").is_file():
         return _load_adapter(path, meta, device=device, dtype=dtype, trust=trust_remote_code)
     hub = hub_config(path)
     family = family_of(hub.get("model_type"))
-    kwargs = {}
+    check_remote_code(path, hub, family, trust_remote_code)
+    kwargs = {"use_safetensors": True}  # never a pickle, even from the hub
     if dtype is not None:
         kwargs["dtype"] = dtype
     if quantization_config is not None:

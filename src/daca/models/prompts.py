@@ -7,6 +7,10 @@ than the model reads is an error naming it, or, when asked, cut to its last toke
 
 from __future__ import annotations
 
+import functools
+import sys
+import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,12 +32,136 @@ def prompt_texts(bundle: LoadedModel, task: Task, rows: list[dict]) -> list[str]
     for r in rows:
         message = [{"role": "user", "content": task.chat_prompt(r)}]
         if getattr(tok, "chat_template", None):
-            texts.append(
-                tok.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
-            )
+            try:
+                texts.append(render_chat(tok, message))
+            except ChatTemplateError as e:
+                raise ChatTemplateError(f"{bundle.path or bundle.name}: {e}") from None
         else:
             texts.append(message[0]["content"])
     return texts
+
+
+# ----------------------------------------------------------------------------- chat templates
+# A model folder's chat_template is a program (jinja) from whoever wrote the folder. transformers
+# runs it in jinja's sandbox, which stops escapes but not loops: two nested loops over range()
+# render for hours. So it runs here under a deadline that a line tracer enforces at every line
+# and call of the template's own code (jinja compiles it to Python): pure Python cannot outrun
+# it, unlike a thread, which cannot be stopped, or a process, which costs seconds per prompt
+# batch. The one operator that runs unbounded inside a single C call, ``**`` on integers
+# (9**9**9), is refused before rendering; and a template, and what it renders, are capped.
+CHAT_TEMPLATE_SECONDS = 5.0  # for one prompt (a real template renders in ~1 ms)
+MAX_CHAT_TEMPLATE_CHARS = 200_000  # the longest hub templates (tools, reasoning): ~20 000
+MAX_RENDERED_CHARS = 4_000_000  # a prompt the template made (about a million tokens)
+
+
+class ChatTemplateError(ValueError):
+    """A model folder's chat template that is too long, too slow or fails on a prompt."""
+
+
+class _TemplateDeadline(Exception):
+    pass
+
+
+def _template_code(frame) -> bool:
+    return frame.f_code.co_filename == "<template>"  # jinja's name for compiled templates
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Raise _TemplateDeadline in the template's code (or any call) once ``seconds`` passed."""
+    end = time.monotonic() + seconds
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > end:
+            raise _TemplateDeadline
+        return on_line
+
+    def on_call(frame, event, arg):
+        if time.monotonic() > end:
+            raise _TemplateDeadline
+        return on_line if _template_code(frame) else None
+
+    before = sys.gettrace()  # a coverage tool's tracer, put back after
+    sys.settrace(on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(before)
+
+
+def _template_texts(tok) -> list[str]:
+    template = tok.chat_template
+    return list(template.values()) if isinstance(template, dict) else [str(template)]
+
+
+def check_chat_template(tok) -> None:
+    """ChatTemplateError for a chat template longer than MAX_CHAT_TEMPLATE_CHARS, one jinja
+    cannot parse, or one that uses ``**`` (a power of integers runs unbounded in C)."""
+    for text in _template_texts(tok):
+        if len(text) > MAX_CHAT_TEMPLATE_CHARS:
+            raise ChatTemplateError(
+                f"the tokenizer's chat_template has {len(text)} characters, more than the "
+                f"{MAX_CHAT_TEMPLATE_CHARS} daca renders; fix tokenizer_config.json"
+            )
+        problem = _template_problem(text)
+        if problem:
+            raise ChatTemplateError(f"the tokenizer's chat_template {problem}")
+
+
+@functools.lru_cache(maxsize=16)
+def _template_problem(text: str) -> str | None:
+    """What is wrong with a template's source, or None (parsed once per template)."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        """transformers' ``{% generation %}`` block, so that such templates parse."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", GenerationTag])
+    try:
+        tree = env.parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        return f"is not valid jinja (line {e.lineno}: {e.message})"
+    if any(True for _ in tree.find_all(nodes.Pow)):
+        return (
+            "uses '**', which daca does not render (a power of integers can run for hours); "
+            "fix tokenizer_config.json"
+        )
+    return None
+
+
+def render_chat(tok, messages, *, seconds: float | None = None) -> str:
+    """``tok.apply_chat_template`` (generation prompt added, as text) within ``seconds``
+    (default CHAT_TEMPLATE_SECONDS): ChatTemplateError, one line, for a template that fails, is
+    too slow or renders too much."""
+    seconds = CHAT_TEMPLATE_SECONDS if seconds is None else seconds
+    check_chat_template(tok)
+    try:
+        with _deadline(seconds):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except _TemplateDeadline:
+        raise ChatTemplateError(
+            f"the tokenizer's chat_template did not render a prompt within {seconds:g} s "
+            "(loops without end?); fix tokenizer_config.json"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - the template is the folder's program: any failure
+        raise ChatTemplateError(
+            f"the tokenizer's chat_template failed on a prompt: {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300] if str(e) else ''}"
+        ) from None
+    if len(text) > MAX_RENDERED_CHARS:
+        raise ChatTemplateError(
+            f"the tokenizer's chat_template rendered {len(text)} characters for one prompt "
+            f"(at most {MAX_RENDERED_CHARS}); fix tokenizer_config.json"
+        )
+    return text
 
 
 def prompt_limit(bundle: LoadedModel, gen_length: int) -> int | None:

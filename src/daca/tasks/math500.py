@@ -15,7 +15,7 @@ from typing import Any
 from daca.tasks import Task
 from daca.tasks.common import answer_tag_span, chat_user_message
 from daca.tasks.formats import completion_texts, hub_rows, read_records
-from daca.tasks.mathcheck import last_boxed, math_equal
+from daca.tasks.mathcheck import last_boxed, math_equal, warm_up
 
 CORRECT_REWARD = 2.0
 FORMAT_UNIT = 0.5
@@ -61,6 +61,10 @@ def score(completions, answer, **columns) -> list[float]:
     """1.0 when the predicted answer is equivalent to the gold, else 0.0."""
     texts = completion_texts(completions)
     return [float(is_correct(t, a)) for t, a in zip(texts, answer, strict=True)]
+
+
+# The reward worker imports math-verify when it loads these, not within the first batch's time.
+correctness_reward.reward_warmup = score.reward_warmup = warm_up
 
 
 def chat_prompt(row: dict[str, Any]) -> str:

@@ -34,23 +34,47 @@ _BRACE_RE = re.compile(r"[{}]")
 _TOKEN_RE = re.compile(r"[^\s$]+")
 
 
+# Size caps, so that a flood costs its reader little: a box's content is looked for within
+# MAX_BOXED_CHARS of its opening brace (MATH-500's longest gold answer has < 200), and
+# math-verify parses only answers of at most MAX_ANSWER_CHARS (a 10 MB one took seconds); the
+# last MAX_BOX_COMMANDS box commands are looked at.
+MAX_BOXED_CHARS = 10_000
+MAX_ANSWER_CHARS = 2_000
+MAX_BOX_COMMANDS = 1_000  # box commands read from the end (a flood of bare ones: 1.4M)
+
+
 def _closing_brace(text: str, start: int) -> int | None:
-    """Index of the ``}`` that closes the ``{`` at ``start``, or None when it is not closed."""
+    """Index of the ``}`` that closes the ``{`` at ``start``, or None when it is not closed
+    within MAX_BOXED_CHARS."""
     depth = 0
-    for brace in _BRACE_RE.finditer(text, start):
+    for brace in _BRACE_RE.finditer(text, start, start + MAX_BOXED_CHARS):
         depth += 1 if brace.group(0) == "{" else -1
         if depth == 0:
             return brace.start()
     return None
 
 
+def _last_box_commands(text: str):
+    """Matches of ``\\boxed`` / ``\\fbox`` from the last one back, at most MAX_BOX_COMMANDS,
+    found by reverse search (a list of every match of a 10 MB flood of boxes took 2 s). The two
+    words cannot overlap, so these are the matches of ``_BOXED_RE.finditer``, reversed."""
+    found = {word: text.rfind(word) for word in ("\\boxed", "\\fbox")}
+    for _ in range(MAX_BOX_COMMANDS):
+        word, at = max(found.items(), key=lambda item: item[1])
+        if at < 0:
+            return
+        yield _BOXED_RE.match(text, at)
+        found[word] = text.rfind(word, 0, at)
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces balanced.
 
-    ``\\boxed 5`` (no braces) gives ``5``; when the last box is not closed, None. Linear time:
-    only the last braced box is balanced, and a bare token is read only after a space.
+    ``\\boxed 5`` (no braces) gives ``5``; when the last box is not closed (within
+    MAX_BOXED_CHARS), None. Linear time: only the last braced box is balanced, and a bare token is
+    read only after a space.
     """
-    for match in reversed(list(_BOXED_RE.finditer(text))):
+    for match in _last_box_commands(text):
         start = match.end()
         if start < len(text) and text[start] == "{":
             end = _closing_brace(text, start)
@@ -103,6 +127,12 @@ def _verify_here(gold: str, pred: str, seconds: int) -> bool:
         return bool(g and p and verify(g, p, timeout_seconds=seconds))
     except Exception:  # noqa: BLE001 - a parse/verify failure (or timeout) is "not equal"
         return False
+
+
+def warm_up() -> None:
+    """Import math-verify and build its parsers (~0.4 s, more on a loaded machine), e.g. in a
+    reward worker before it is timed."""
+    _verify_here("\\frac{1}{2}", "0.5", 5)
 
 
 class _Worker:
@@ -190,10 +220,11 @@ atexit.register(_worker.close)
 def math_equal(gold: str, pred: str | None, *, timeout: float = 5.0) -> bool:
     """Whether LaTeX answers ``gold`` and ``pred`` are mathematically equivalent (math-verify).
 
-    False when ``pred`` is None or empty, unparsable, or the check exceeds ``timeout`` seconds.
+    False when ``pred`` is None or empty, longer than MAX_ANSWER_CHARS, unparsable, or the check
+    exceeds ``timeout`` seconds.
     Safe from any thread (see the module docstring).
     """
-    if pred is None:
+    if pred is None or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0, got {timeout}")

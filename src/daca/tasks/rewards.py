@@ -6,12 +6,20 @@ regex backtrack for hours inside C code that holds the GIL (no Python thread can
 exhaust the recursion limit of a parser. So:
 
 - daca's own reward functions (defined in a ``daca.*`` module, or any function carrying the
-  attribute ``reward_guard = "process"``) run in a persistent worker process, which is killed
-  with its process group when a call overruns. A function gets ``timeout`` seconds for the
-  batch; past that, a fresh worker scores the batch again one example at a time, each example
-  with an equal share of ``timeout`` (at least 1 s, or ``timeout`` if shorter): an example that
-  overruns its share is stopped, scores 0 and is logged with its index, and the rest go on. One
-  hostile example thus costs about ``timeout`` + its share (+ ~0.2 s to start a worker).
+  attribute ``reward_guard = "process"``) run in a persistent worker process. ``timeout``
+  bounds one completion's scoring, all its task's guarded functions together: the worker
+  scores the batch with each function in one call, all within ``timeout``. Past that (or when
+  it dies) it is killed with its process group, and a fresh worker scores what is left example
+  by example, each example in a process of its own forked from it (RESCUE_WIDTH at once), with
+  what is left of ``timeout`` but at least RESCUE_SECONDS: an
+  example still running then is stopped, scores 0 and is logged with its index (the functions
+  after the one it was stopped in are not run on it), and the others keep their scores. One
+  restart serves the whole batch and its hostile examples are stopped together, so a
+  completion's scoring ends within ``timeout`` + RESCUE_SECONDS + the restart (~0.2 s, plus
+  re-importing what the last worker had imported: ~0.4 s for math-verify), for up to
+  RESCUE_WIDTH hostile completions in a batch (each further RESCUE_WIDTH: one more share).
+  A function may carry ``reward_warmup``, a callable the worker runs once after loading it
+  (imports, caches), outside any limit.
 - Other functions (a user's: they may hold a model or state that must not be copied into another
   process; ``reward_guard = "thread"`` asks for this too) run in a daemon thread, whose limit is
   soft: a call that does not return is abandoned, and its batch scores 0.
@@ -25,20 +33,20 @@ This module imports nothing heavy at import time: the worker imports it by itsel
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import logging
 import marshal
 import math
-import mmap
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import types
@@ -49,6 +57,9 @@ log = logging.getLogger(__name__)
 OUTPUT_ERRORS = (RecursionError, MemoryError, UnicodeError, OverflowError)
 _START_TIMEOUT = 120.0  # seconds for a new worker to import its functions
 _FLUSH_AFTER = 0.05  # seconds of scoring after which the worker sends what it has finished
+RESCUE_WIDTH = 32  # examples scored at once, each in its own process, after a batch overran
+RESCUE_SECONDS = 1.0  # the least time each of them gets then (see _rescue_budget)
+_REPLY_MARGIN = 5.0  # seconds past its own deadlines after which a rescuing worker is killed
 
 
 class RewardError(RuntimeError):
@@ -98,38 +109,20 @@ def _example(i: int, prompts, completions, columns):
     return [prompts[i]], [completions[i]], {k: [v[i]] for k, v in columns.items()}
 
 
-_PROGRESS = struct.Struct("qq")  # (function, example) in progress; example -1: the whole batch
-
-
-def _mark(progress, function: int, example: int) -> None:
-    if progress is not None:
-        _PROGRESS.pack_into(progress, 0, function, example)
-
-
-def _score_examples(
-    func, style, batch, skip=None, progress=None, at: int = 0
-) -> list[tuple[str, object]]:
-    """One outcome per example. ``skip`` None: the whole batch in one call first (example by
-    example if it raises); else example by example, ``skip`` holding outcomes already known (a
-    timed-out example). ``progress`` (shared memory) receives (``at``, example in progress)."""
+def _score_examples(func, style, batch) -> list[tuple[str, object]]:
+    """One outcome per example: the whole batch in one call; example by example if it raises
+    (to find the examples that make it raise)."""
     prompts, completions, columns = batch
-    if skip is None:
-        _mark(progress, at, -1)
-        try:
-            values = _apply(func, style, prompts, completions, columns)
-            if len(values) == len(completions):
-                return [("ok", float(v)) for v in values]
-        except Exception:  # noqa: BLE001,S110 - found example by example below
-            pass
-        skip = {}
-    outcomes = []
-    for i in range(len(completions)):
-        if i in skip:
-            outcomes.append(skip[i])
-            continue
-        _mark(progress, at, i)
-        outcomes.append(_outcome_of(func, style, *_example(i, prompts, completions, columns)))
-    return outcomes
+    try:
+        values = _apply(func, style, prompts, completions, columns)
+        if len(values) == len(completions):
+            return [("ok", float(v)) for v in values]
+    except Exception:  # noqa: BLE001,S110 - found example by example below
+        pass
+    return [
+        _outcome_of(func, style, *_example(i, prompts, completions, columns))
+        for i in range(len(completions))
+    ]
 
 
 # ------------------------------------------------------------------ the soft (thread) limit
@@ -252,28 +245,63 @@ _serve(*map(int, sys.argv[2:]))
 """
 
 
-def _die_with_parent(parent: int, from_main_thread: int) -> None:
-    """Linux: the kernel kills this worker when its parent dies (even if stuck in C code)."""
-    if from_main_thread and sys.platform.startswith("linux"):
+def _kill_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (even if stuck in C code)."""
+    if sys.platform.startswith("linux"):
         import ctypes
 
         with_errno = ctypes.CDLL(None, use_errno=True)
         with_errno.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _die_with_parent(parent: int, from_main_thread: int) -> None:
+    # PR_SET_PDEATHSIG follows the parent *thread*: only the main thread's lives as long as it.
+    if from_main_thread:
+        _kill_with_parent()
     if os.getppid() != parent:
         os._exit(0)
 
 
-def _serve(sock_fd: int, progress_fd: int, parent: int, from_main_thread: int) -> None:
+def _imported_since(known: set[str]) -> list[str]:
+    """Modules imported since ``known`` was taken (``known`` is brought up to date)."""
+    if len(sys.modules) == len(known):
+        return []
+    new = [name for name in list(sys.modules) if name not in known]
+    known.update(new)
+    return new
+
+
+def _warm(names) -> None:
+    """Import the modules a killed worker had imported, so that the examples forked from this
+    one do not each import them again (math-verify and sympy: ~0.4 s)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001,S112 - a module that cannot be imported by name
+            continue
+
+
+def _warm_up(func) -> None:
+    """A function's ``reward_warmup()`` (imports, caches), run once where it is loaded: its cost
+    then does not count against the first batch's time."""
+    warm_up = getattr(func, "reward_warmup", None)
+    if callable(warm_up):
+        with contextlib.suppress(Exception):  # the scoring itself will say what is wrong
+            warm_up()
+
+
+def _serve(sock_fd: int, parent: int, from_main_thread: int) -> None:
     """The worker's loop: ("load", key, pickled function) -> error or None;
-    ("batch", prompts, completions, columns) -> nothing; ("run", keys, style, skips) -> lists
-    of (position, outcomes), one per function, sent as they are finished."""
+    ("batch", prompts, completions, columns) -> nothing; ("warm", module names) -> None;
+    ("run", keys, style) -> lists of (position, outcomes), one per function, sent as they are
+    finished, each with the modules imported meanwhile; ("rescue", keys, style, todo, budget,
+    late) -> {example: [(position, outcome)]} (see ``_rescue``)."""
     from multiprocessing.connection import Connection
 
     _die_with_parent(parent, from_main_thread)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     conn = Connection(sock_fd)
-    progress = mmap.mmap(progress_fd, _PROGRESS.size)
-    funcs, batch = {}, None
+    funcs, batch, known = {}, None, set(sys.modules)
     conn.send_bytes(pickle.dumps("ready"))
     while True:
         try:
@@ -288,17 +316,146 @@ def _serve(sock_fd: int, progress_fd: int, parent: int, from_main_thread: int) -
                 reply = None
             except Exception as e:  # noqa: BLE001 - the parent falls back to a thread
                 reply = _describe(e)
+            if reply is None:
+                _warm_up(funcs[args[0]])
             conn.send_bytes(pickle.dumps(reply))
+        elif kind == "warm":
+            _warm(args[0])
+            known.update(sys.modules)
+            conn.send_bytes(pickle.dumps(None))
+        elif kind == "rescue":
+            keys, style, todo, budget, late = args
+            found = _rescue([funcs[k] for k in keys], style, batch, todo, budget, late)
+            conn.send_bytes(pickle.dumps(found, protocol=pickle.HIGHEST_PROTOCOL))
         else:
-            keys, style, skips = args
+            _run(conn, [funcs[k] for k in args[0]], args[1], batch, known)
+
+
+def _run(conn, funcs, style, batch, known: set[str]) -> None:
+    done, since = [], time.monotonic()
+    for at, func in enumerate(funcs):
+        done.append((at, _score_examples(func, style, batch)))
+        # One message for quick functions (a wake-up of the parent costs ~0.1 ms); what took
+        # long is sent at once, so that a later timeout does not lose it.
+        if at == len(funcs) - 1 or time.monotonic() - since > _FLUSH_AFTER:
+            message = (done, _imported_since(known))
+            conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
             done, since = [], time.monotonic()
-            for at, (key, skip) in enumerate(zip(keys, skips, strict=True)):
-                done.append((at, _score_examples(funcs[key], style, batch, skip, progress, at)))
-                # One message for quick functions (a wake-up of the parent costs ~0.1 ms);
-                # what took long is sent at once, so that a later timeout does not lose it.
-                if at == len(keys) - 1 or time.monotonic() - since > _FLUSH_AFTER:
-                    conn.send_bytes(pickle.dumps(done, protocol=pickle.HIGHEST_PROTOCOL))
-                    done, since = [], time.monotonic()
+
+
+# ------------------------------------------------------------------ rescue: example by example
+_FRAME = struct.Struct("I")  # the length of a pickled (position, outcome) on a rescue pipe
+
+
+def _score_in_child(funcs, style, batch, example: int, positions, pipe: int) -> None:
+    """In a forked process: ``example`` by each function at ``positions``, each outcome
+    written to ``pipe`` as soon as known (what was finished counts if a later one hangs)."""
+    try:
+        _kill_with_parent()
+        one = _example(example, *batch)
+        for p in positions:
+            frame = pickle.dumps((p, _outcome_of(funcs[p], style, *one)))
+            data = memoryview(_FRAME.pack(len(frame)) + frame)
+            while data:
+                data = data[os.write(pipe, data) :]
+    finally:
+        os._exit(0)
+
+
+def _frames(data: bytes) -> list:
+    found, at = [], 0
+    while at + _FRAME.size <= len(data):
+        (size,) = _FRAME.unpack_from(data, at)
+        if at + _FRAME.size + size > len(data):
+            break
+        found.append(pickle.loads(data[at + _FRAME.size : at + _FRAME.size + size]))
+        at += _FRAME.size + size
+    return found
+
+
+class _Child:
+    """A forked process scoring one example; ``deadline`` None: no limit."""
+
+    def __init__(self, funcs, style, batch, example, positions, budget):
+        self.example, self.positions, self.data = example, positions, bytearray()
+        self.deadline = None if budget is None else time.monotonic() + budget
+        self.pipe, write = os.pipe()
+        try:
+            self.pid = os.fork()
+        except OSError:
+            os.close(self.pipe)
+            os.close(write)
+            raise
+        if self.pid == 0:
+            os.close(self.pipe)
+            _score_in_child(funcs, style, batch, example, positions, write)
+        os.close(write)
+
+    def outcomes(self, why: str) -> list:
+        """(position, outcome) per position: the outcomes it wrote; ("timeout", ``why``) for
+        the function it was stopped in; "unscored" for the functions after it."""
+        status = os.waitpid(self.pid, 0)[1]
+        os.set_blocking(self.pipe, False)
+        try:  # what it wrote before it was stopped
+            while chunk := os.read(self.pipe, 1 << 16):
+                self.data += chunk
+        except BlockingIOError:  # a process it started still holds the pipe open
+            pass
+        os.close(self.pipe)
+        found = dict(_frames(bytes(self.data)))
+        if os.WIFSIGNALED(status) and why == "died":
+            why = f"its process died: signal {signal.Signals(os.WTERMSIG(status)).name}"
+        elif why == "died":
+            why = f"its process ended without scoring it (exit status {os.WEXITSTATUS(status)})"
+        # The first function it did not finish is blamed; the later ones were never reached.
+        missing = [p for p in self.positions if p not in found]
+        found.update((p, ("unscored", "")) for p in missing[1:])
+        if missing:
+            found[missing[0]] = ("timeout", why)
+        return [(p, found[p]) for p in self.positions]
+
+
+def _rescue(funcs, style, batch, todo, budget: float | None, late: str) -> dict[int, list]:
+    """``todo`` [(example, positions of funcs)]: each example scored by those functions in a
+    process forked from this one, RESCUE_WIDTH at once, each stopped ``budget`` s after it
+    started (None: never; its outcomes then ("timeout", ``late``)).
+    -> {example: [(position, outcome)]}."""
+    waiting, running, found = list(reversed(todo)), {}, {}
+    while waiting or running:
+        while waiting and len(running) < RESCUE_WIDTH:
+            example, positions = waiting.pop()
+            try:
+                child = _Child(funcs, style, batch, example, positions, budget)
+            except OSError as e:  # no process to be had: this example is not scored
+                found[example] = [(p, ("timeout", f"cannot fork: {e}")) for p in positions]
+                continue
+            running[child.pipe] = child
+        deadlines = [c.deadline for c in running.values() if c.deadline is not None]
+        wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        for pipe in select.select(list(running), [], [], wait)[0]:
+            chunk = os.read(pipe, 1 << 16)
+            if chunk:
+                running[pipe].data += chunk
+            else:  # it has finished, died, or closed its pipe (then it is stopped now)
+                child = running.pop(pipe)
+                os.kill(child.pid, signal.SIGKILL)  # not reaped yet: the pid is still its
+                found[child.example] = child.outcomes("died")
+        now = time.monotonic()
+        for pipe, child in list(running.items()):
+            if child.deadline is not None and now >= child.deadline:
+                os.kill(child.pid, signal.SIGKILL)
+                del running[pipe]
+                found[child.example] = child.outcomes(late)
+    return found
+
+
+def _rescue_budget(timeout: float | None, spent: float) -> float | None:
+    """Seconds each example gets when it is scored on its own after the batch ran ``spent`` s:
+    what is left of ``timeout``, and at least RESCUE_SECONDS, so that the quick examples of a
+    batch that ran out of time are still scored (on a loaded machine too)."""
+    if timeout is None:
+        return None
+    return max(timeout - spent, RESCUE_SECONDS)
 
 
 class _Unusable(Exception):
@@ -316,9 +473,9 @@ class RewardGuard:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._conn = None
-        self._progress: mmap.mmap | None = None
         self._loaded: dict[int, object] = {}  # id -> function, loaded in the current worker
         self._refused: dict[int, object] = {}  # id -> function that cannot go to a worker
+        self._modules: dict[str, None] = {}  # modules the workers imported, in order
         self._pending: tuple = ([], [], {})
         self._batch: bytes | None = None
         self._batch_sent = False
@@ -326,18 +483,15 @@ class RewardGuard:
     # -- worker lifecycle
     def _start(self) -> None:
         parent_sock, child_sock = socket.socketpair()
-        with tempfile.TemporaryFile() as shared:
-            shared.truncate(_PROGRESS.size)
-            self._progress = mmap.mmap(shared.fileno(), _PROGRESS.size)
-            from_main = int(threading.current_thread() is threading.main_thread())
-            fds = (child_sock.fileno(), shared.fileno())
-            argv = [json.dumps(sys.path), *map(str, (*fds, os.getpid(), from_main))]
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CODE, *argv],
-                pass_fds=fds,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: killed with what it started
-            )
+        from_main = int(threading.current_thread() is threading.main_thread())
+        fd = child_sock.fileno()
+        argv = [json.dumps(sys.path), *map(str, (fd, os.getpid(), from_main))]
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_CODE, *argv],
+            pass_fds=(fd,),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: killed with what it started
+        )
         child_sock.close()
         from multiprocessing.connection import Connection
 
@@ -370,6 +524,14 @@ class RewardGuard:
 
     def _send(self, message: bytes) -> None:
         self._conn.send_bytes(message)
+
+    def _try_send(self, message: bytes) -> bool:
+        """Whether ``message`` reached the worker (False: it has died)."""
+        try:
+            self._send(message)
+            return True
+        except OSError:
+            return False
 
     def _load(self, func) -> None:
         if id(func) in self._loaded:
@@ -422,47 +584,76 @@ class RewardGuard:
 
     def score(self, funcs, style: str, n: int, timeout: float | None, stop_at_timeout: bool):
         """Outcomes of each of ``funcs`` on the current batch of ``n`` examples; None for a
-        function that cannot run in the worker (the caller then runs it in a thread)."""
+        function that cannot run in the worker (the caller then runs it in a thread).
+        ``stop_at_timeout`` is kept for callers; every example is scored either way."""
         with self._lock:
-            results = [None if id(f) in self._refused else [] for f in funcs]
             if self._batch is None and not self._batch_ok():
                 return [None] * len(funcs)
-            modes = {p: None for p, r in enumerate(results) if r is not None}  # None: batch
-            share = None if timeout is None else max(timeout / max(n, 1), min(timeout, 1.0))
-            while modes:
-                sent = list(modes)
-                for p in self._ready_for([funcs[p] for p in sent]):
-                    del modes[sent[p]]
-                    results[sent[p]] = None
-                sent = list(modes)
-                _mark(self._progress, -2, -2)  # not started
-                keys = [id(funcs[p]) for p in sent]
-                self._send(pickle.dumps(("run", keys, style, [modes[p] for p in sent])))
-                while modes and isinstance(reply := self._watch(timeout, share), list):
-                    for at, outcomes in reply:
-                        results[sent[at]] = outcomes
-                        del modes[sent[at]]
-                if not modes:
-                    break
-                at, example = _PROGRESS.unpack_from(self._progress, 0)
-                why = self._death() if reply == "died" else "no answer within {:g} s"
-                self.close()
-                if at < 0:  # died before scoring anything: nothing to blame, nothing to retry
-                    for p in modes:
-                        results[p] = [("timeout", why.format(timeout))] * n
-                    break
-                p = sent[at]
-                if modes[p] is None:  # which example? one by one, each with its share
-                    modes[p] = {}
-                    continue
-                modes[p][example] = ("timeout", why.format(share))
-                if stop_at_timeout or len(modes[p]) == n:
-                    results[p] = [modes.pop(p).get(i, ("unscored", "")) for i in range(n)]
-                    if stop_at_timeout:
-                        break
-            for p in modes:  # not reached: an earlier function's timeout stops the run
-                results[p] = [("unscored", "")] * n
+            results = [None if id(f) in self._refused else [] for f in funcs]
+            todo = self._loadable(funcs, results)
+            start = time.monotonic()
+            left = self._run_batch(funcs, todo, style, results, timeout) if todo else []
+            if left:
+                late = f"no answer within reward_timeout={timeout} s"
+                budget = _rescue_budget(timeout, time.monotonic() - start)
+                self._rescue(funcs, left, style, n, results, budget, late)
             return results
+
+    def _loadable(self, funcs, results) -> list[int]:
+        """Positions of ``funcs`` loaded in the worker (the others' results become None)."""
+        todo = [p for p, r in enumerate(results) if r is not None]
+        for q in self._ready_for([funcs[p] for p in todo]):
+            results[todo[q]] = None
+        return [p for p in todo if results[p] is not None]
+
+    def _run_batch(self, funcs, todo, style, results, budget) -> list[int]:
+        """Each function at ``todo`` on the whole batch, all within ``budget`` s; the positions
+        not finished then (the worker is then killed)."""
+        deadline = None if budget is None else time.monotonic() + budget
+        sent = self._try_send(pickle.dumps(("run", [id(funcs[p]) for p in todo], style)))
+        left = dict.fromkeys(todo)
+        while left:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            reply = self._receive(wait) if sent else "died"
+            if not isinstance(reply, tuple):  # "timeout" or "died"
+                self.close()
+                break
+            done, modules = reply
+            self._modules.update(dict.fromkeys(modules))
+            for at, outcomes in done:
+                results[todo[at]] = outcomes
+                del left[todo[at]]
+        return list(left)
+
+    def _rescue(self, funcs, left, style, n, results, budget, late) -> None:
+        """The functions at ``left`` example by example, each example in a process of its own
+        within ``budget`` s (a fresh worker, warmed with the modules the last one imported)."""
+        try:
+            self._ready_for([funcs[p] for p in left])
+            self._send(pickle.dumps(("warm", list(self._modules))))
+            warmed = self._receive(_START_TIMEOUT)
+        except (_Unusable, OSError) as e:
+            warmed = _describe(e)
+        if warmed is not None:
+            self.close()
+            why = f"the reward worker did not restart ({warmed})"
+            for p in left:
+                results[p] = [("timeout", why)] * n
+            return
+        keys = [id(funcs[p]) for p in left]
+        todo = [(i, list(range(len(left)))) for i in range(n)]
+        reply = "died"
+        if self._try_send(pickle.dumps(("rescue", keys, style, todo, budget, late))):
+            waves = -(-n // RESCUE_WIDTH)
+            reply = self._receive(None if budget is None else waves * budget + _REPLY_MARGIN)
+        if not isinstance(reply, dict):
+            self.close()
+            reply = {}
+        for p in left:
+            results[p] = [("timeout", "the reward worker did not answer")] * n
+        for i, outcomes in reply.items():
+            for at, outcome in outcomes:
+                results[left[at]][i] = outcome
 
     def _batch_ok(self) -> bool:
         try:
@@ -471,30 +662,6 @@ class RewardGuard:
         except _Unusable as e:
             log.info("reward functions run in threads: %s", e)
             return False
-
-    def _watch(self, timeout: float | None, share: float | None):
-        """The next reply of a run, or "timeout" once the call in progress (a function on the
-        batch, or on one example) has run longer than ``timeout`` (``share``): the worker writes
-        (function, example) in progress to shared memory."""
-        if timeout is None:
-            return self._receive(None)
-        last, since = None, time.monotonic()
-        while (reply := self._receive(min(timeout, share) / 8)) == "timeout":
-            now = _PROGRESS.unpack_from(self._progress, 0)
-            if now != last:
-                last, since = now, time.monotonic()
-            elif time.monotonic() - since >= (timeout if now[1] < 0 else share):
-                return "timeout"
-        return reply
-
-    def _death(self) -> str:
-        try:
-            code = self._proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            code = None
-        if code is not None and code < 0:
-            return f"the worker process died: signal {signal.Signals(-code).name}"
-        return f"the worker process died: exit status {code}"
 
 
 _guard: RewardGuard | None = None

@@ -165,7 +165,9 @@ class TrainConfig:
         "can then touch your files; same as DACA_UNSAFE_EXEC=1)",
     )
     reward_timeout: float | None = _f(
-        REWARD_TIMEOUT, "seconds a reward function may take on one batch (null: no limit)"
+        REWARD_TIMEOUT,
+        "seconds the reward functions together may take on one batch; a completion unfinished "
+        "then is scored alone with what is left (at least 1 s), or scores 0 (null: no limit)",
     )
     max_nonfinite_steps: int = _f(
         3, "a step with a non-finite loss or gradient is skipped; this many in a row stop the run"

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from daca.models.loading import LoadedModel, load
+from daca.models.loading import LoadedModel, ModelFolderError, load
 from daca.models.prompts import fit_prompts, prompt_texts, prompt_token_ids
 from daca.tasks import sandbox
 from daca.train.checkpointing import write_text_atomically, yaml_text
@@ -109,7 +109,10 @@ class SetupSteps:
 
             bundle = load_4bit(cfg.model, device=self.acc.device)
         else:
-            bundle = load(cfg.model, device=self.acc.device, dtype=dtype)
+            try:
+                bundle = load(cfg.model, device=self.acc.device, dtype=dtype)
+            except ModelFolderError as e:  # a folder daca refuses: one line, exit 2
+                raise InputError(f"model={cfg.model}: {e}") from None
         bundle.meta["generation"] = asdict(cfg.generation)  # checkpoints evaluate with these
         if cfg.gradient_checkpointing:
             from daca.models.families import enable_gradient_checkpointing
