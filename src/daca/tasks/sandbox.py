@@ -44,6 +44,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import itertools
+import logging
 import marshal
 import math
 import os
@@ -70,6 +71,7 @@ UNSAFE_ENV = "DACA_UNSAFE_EXEC"  # "1": run model code without isolation when bw
 _UID_BASE, _UID_SPAN = 40000, 20000  # sandbox uids used when running as root
 _ISOLATIONS = ("bwrap", "fallback")
 _RUN_DIR_PREFIX = "daca-sandbox-"  # then the pid of the process that runs it
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class ExecResult:
     checks_total: int = 0
     values: dict[int, Any] = field(default_factory=dict)  # check index of a Call -> its value
     passed_indices: frozenset[int] = frozenset()  # indices of the checks that passed
+    refused: dict[int, str] = field(default_factory=dict)  # check index -> why its value was not
 
     @property
     def pass_rate(self) -> float:
@@ -444,7 +447,7 @@ def _execute(
 def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stderr_tail):
     """ExecResult from the launcher's nonce-tagged stage lines and the exit status."""
     program_ok = ["program", "1"] in stages
-    values, passed_checks = _stage_values(stages, n_checks)
+    values, passed_checks, refused = _stage_values(stages, n_checks)
     all_checks = len(passed_checks) == n_checks
     done = ["done"] in stages
     passed = program_ok and done and all_checks and returncode == 0 and not timed_out
@@ -475,17 +478,22 @@ def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stde
         checks_total=n_checks,
         values=values,
         passed_indices=frozenset(passed_checks),
+        refused=refused,
     )
 
 
-def _stage_values(stages, n_checks) -> tuple[dict[int, Any], set[int]]:
-    """(index -> value of each Call that returned plain data, indices of checks that passed).
+def _stage_values(stages, n_checks) -> tuple[dict[int, Any], set[int], dict[int, str]]:
+    """(index -> value of each Call that returned plain data, indices of checks that passed,
+    index -> why a reported value was refused).
 
-    The first line of each index counts; a value that does not decode fails its check.
+    Total over whatever the program wrote: the first line of each index counts; an index that
+    is not ASCII digits is ignored; a value that does not decode (malformed, too long, too many
+    items, hash-colliding keys, or decoding past ``DECODE_SECONDS`` for the run) fails its check.
     """
-    values, passed, seen = {}, set(), set()
+    values, passed, seen, refused = {}, set(), set(), {}
+    deadline = time.monotonic() + DECODE_SECONDS
     for stage in stages:
-        if len(stage) < 3 or stage[0] != "check" or not stage[1].isdigit():
+        if len(stage) < 3 or stage[0] != "check" or not _INDEX.fullmatch(stage[1]):
             continue
         index = int(stage[1])
         if index in seen or index >= n_checks:
@@ -494,27 +502,65 @@ def _stage_values(stages, n_checks) -> tuple[dict[int, Any], set[int]]:
         if stage[2] != "1":
             continue
         if len(stage) == 4:
-            try:
-                values[index] = decode_value(stage[3])
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            if time.monotonic() > deadline:
+                refused[index] = f"decoding took over {DECODE_SECONDS:g} s"
+            else:
+                try:
+                    values[index] = decode_value(stage[3])
+                except _DECODE_ERRORS as e:
+                    refused[index] = f"{type(e).__name__}: {str(e)[:120]}"
+            if index in refused:
+                log.info("check %d: value refused (%s)", index, refused[index])
                 continue
         passed.add(index)
-    return values, passed
+    return values, passed, refused
 
 
+_INDEX = re.compile(r"[0-9]{1,9}")  # ASCII only: '²'.isdigit() is True but int('²') raises
+_DECODE_ERRORS = (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, OverflowError)
 _PLAIN_CALLS = {"float": float, "complex": complex, "set": set, "frozenset": frozenset}
 _PLAIN_CONSTANTS = (int, float, str, bytes, bool, type(None))
+MAX_VALUE_ITEMS = 50_000  # nodes of one decoded value (its text is at most MAX_VALUE_CHARS)
+MAX_SAME_HASH = 32  # distinct keys of a set or dict that may share one hash
+DECODE_SECONDS = 2.0  # host time to decode one run's values, whatever the reward timeout
 
 
 def decode_value(text: str) -> Any:
     """The plain value written by the sandbox's encoder (a subset of Python literals), rebuilt
-    without evaluating anything; ValueError for any other text."""
-    if len(text) > MAX_VALUE_CHARS:
+    without evaluating anything; ValueError (or another of ``_DECODE_ERRORS``) for any other
+    text. Its cost is bounded: at most MAX_VALUE_CHARS characters and MAX_VALUE_ITEMS nodes, and
+    sets and dicts are refused when many of their keys share a hash (rebuilding them would take
+    time quadratic in their size)."""
+    if not isinstance(text, str) or len(text) > MAX_VALUE_CHARS:
         raise ValueError("value text too long")
-    return _plain(ast.parse(text, mode="eval").body)
+    return _plain(ast.parse(text, mode="eval").body, [MAX_VALUE_ITEMS])
 
 
-def _plain(node: ast.AST) -> Any:
+def check_hashes(keys: Sequence) -> None:
+    """ValueError when more than MAX_SAME_HASH distinct ``keys`` share one hash (a set or dict
+    of them would cost time quadratic in their number); TypeError for an unhashable key.
+    Hashes of str and bytes are salted per process, those of numbers and tuples are not."""
+    hashed = sorted((hash(k), i) for i, k in enumerate(keys))
+    start = 0
+    for end in range(1, len(hashed) + 1):
+        if end < len(hashed) and hashed[end][0] == hashed[start][0]:
+            continue
+        if end - start > MAX_SAME_HASH:
+            distinct = {_key_text(keys[i]) for _, i in hashed[start:end]}
+            if len(distinct) > MAX_SAME_HASH:
+                raise ValueError(f"{len(distinct)} distinct keys share one hash")
+        start = end
+
+
+def _key_text(key) -> str:
+    # Equal plain keys of one type have one repr (1 and 1.0 share a hash but differ: fine).
+    return f"{type(key).__name__}:{key!r}"
+
+
+def _plain(node: ast.AST, budget: list[int]) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"value with more than {MAX_VALUE_ITEMS} items")
     if isinstance(node, ast.Constant) and type(node.value) in _PLAIN_CONSTANTS:
         return node.value
     if (
@@ -525,25 +571,29 @@ def _plain(node: ast.AST) -> Any:
     ):
         return -node.operand.value
     if isinstance(node, ast.List | ast.Tuple):
-        items = [_plain(e) for e in node.elts]
+        items = [_plain(e, budget) for e in node.elts]
         return items if isinstance(node, ast.List) else tuple(items)
     if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
-        return {_plain(k): _plain(v) for k, v in zip(node.keys, node.values, strict=True)}
+        keys = [_plain(k, budget) for k in node.keys]
+        check_hashes(keys)
+        return dict(zip(keys, [_plain(v, budget) for v in node.values], strict=True))
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in _PLAIN_CALLS
         and not node.keywords
     ):
-        args = [_plain(a) for a in node.args]
+        args = [_plain(a, budget) for a in node.args]
         if node.func.id == "float" and args not in (["inf"], ["-inf"], ["nan"]):
             raise ValueError("float() of something other than inf or nan")
         if node.func.id == "complex" and any(type(a) is not float for a in args):
             raise ValueError("complex() of something other than two floats")
-        if node.func.id in ("set", "frozenset") and (len(args) != 1 or type(args[0]) is not list):
-            raise ValueError(f"{node.func.id}() of something other than a list")
+        if node.func.id in ("set", "frozenset"):
+            if len(args) != 1 or type(args[0]) is not list:
+                raise ValueError(f"{node.func.id}() of something other than a list")
+            check_hashes(args[0])
         return _PLAIN_CALLS[node.func.id](*args)
-    raise ValueError(f"not plain data: {ast.dump(node)[:80]}")
+    raise ValueError(f"not plain data: a {type(node).__name__} node")
 
 
 def _interpreter(isolation: str) -> str | None:
