@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import itertools
+import json
 import logging
 import marshal
 import math
@@ -283,16 +285,102 @@ def _tasks_of_uid(uid: int) -> int:
 
 
 def _bwrap_argv(python: str, code_dir: str, scratch_mb: int) -> list[str]:
+    """The bubblewrap command: a new root holding only the interpreter's runtime (read-only),
+    a private size-capped ``/tmp`` (the working directory) and ``/dev/shm``, a minimal ``/dev``,
+    the sandbox's own ``/proc``, and the run's code at ``/tmp/.sandbox``."""
     size = str(scratch_mb * 1024 * 1024)
     bwrap = shutil.which("bwrap") or "bwrap"  # ours: Popen would search the sandbox's PATH
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+    if _FULL_HOST_VIEW:  # the view before the minimal one, kept for bench_reward_guard only
+        view, executable = ["--ro-bind", "/", "/"], python
+        if os.path.isdir("/home"):
+            view += ["--size", "4096", "--tmpfs", "/home", "--remount-ro", "/home"]
+    else:
+        executable, view = _runtime_view(python)
+    argv = [bwrap, *view, "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
     argv += ["--remount-ro", "/dev", "--proc", "/proc", "--size", size, "--tmpfs", "/tmp"]
-    if os.path.isdir("/home"):
-        argv += ["--size", "4096", "--tmpfs", "/home", "--remount-ro", "/home"]
     argv += ["--ro-bind", code_dir, "/tmp/.sandbox", "--chdir", "/tmp"]
+    if not _FULL_HOST_VIEW:
+        argv += ["--remount-ro", "/"]
     argv += ["--unshare-all", "--unshare-user", "--disable-userns"]
-    argv += ["--die-with-parent", "--new-session", "--", python, "-I", "-B"]
+    argv += ["--die-with-parent", "--new-session", "--", executable, "-I", "-B"]
+    if not _FULL_HOST_VIEW:
+        argv.append("-S")  # no site-packages: the tasks need the standard library only
     return argv + ["/tmp/.sandbox/launcher.py"]
+
+
+_FULL_HOST_VIEW = False  # True: bind the host's / read-only (the old view; benchmarks only)
+# Asked of the interpreter itself: where its standard library and extension modules live.
+_RUNTIME_QUERY = """
+import json, site, sys, sysconfig
+print(json.dumps({
+    "executable": sys.executable,
+    "stdlib": [sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")],
+    "dynload": sysconfig.get_config_var("DESTSHARED") or "",
+    "site": site.getsitepackages() + [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")],
+}))
+"""
+_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32")
+
+
+@functools.lru_cache(maxsize=8)
+def _runtime_view(python: str) -> tuple[str, list[str]]:
+    """(the interpreter to run, bwrap arguments that show it its runtime and nothing else).
+
+    Read-only: the interpreter binary, its standard library (site-packages hidden under an
+    empty tmpfs), and the folders of the shared libraries it and its extension modules link
+    (``ldd``; without ldd, the usual library folders). Top-level symlinks on the way (merged
+    ``/usr``: ``/lib -> usr/lib``) are recreated as symlinks.
+    """
+    query = [python, "-I", "-S", "-c", _RUNTIME_QUERY]
+    info = json.loads(subprocess.run(query, capture_output=True, timeout=60, check=True).stdout)
+    executable = os.path.realpath(info["executable"] or python)
+    dynload = info["dynload"]
+    modules = [os.path.join(dynload, n) for n in _listdir(dynload) if n.endswith(".so")]
+    libraries = _shared_libraries([executable, *modules])
+    if libraries is None:  # no ldd: the usual places
+        needed = [d for d in _LIB_DIRS if os.path.isdir(d)]
+        dirs = {os.path.realpath(d) for d in needed}
+    else:
+        needed = libraries
+        dirs = {os.path.realpath(os.path.dirname(p)) for p in needed}
+        dirs |= {os.path.dirname(os.path.realpath(p)) for p in needed}
+    dirs |= {os.path.realpath(d) for d in [*info["stdlib"], dynload] if d and os.path.isdir(d)}
+    view = []
+    for name in sorted(os.listdir("/")):
+        top = "/" + name
+        if os.path.islink(top) and any(p == top or p.startswith(top + "/") for p in needed):
+            view += ["--symlink", os.readlink(top), top]
+    kept = sorted(d for d in dirs if not any(d.startswith(o + "/") for o in dirs))
+    for d in kept:
+        view += ["--ro-bind", d, d]
+    if not any(executable.startswith(d + "/") for d in kept):
+        view += ["--ro-bind", executable, executable]
+    hidden = {os.path.realpath(d) for d in info["site"] if os.path.isdir(d)}
+    for d in sorted(hidden):
+        if any(d.startswith(k + "/") for k in kept):
+            view += ["--size", "4096", "--tmpfs", d, "--remount-ro", d]
+    return executable, view
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path) if path else []
+    except OSError:
+        return []
+
+
+def _shared_libraries(files: list[str]) -> list[str] | None:
+    """Paths (as the loader names them) of the shared libraries ``files`` link, the loader
+    itself included; None without a working ``ldd``."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        return None
+    try:
+        out = subprocess.run([ldd, *files], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.findall(r"(?:=>\s*)?(/\S+) \(0x", out)
+    return sorted(set(found)) or None
 
 
 def _signal_name(number: int) -> str:
@@ -409,12 +497,12 @@ def _execute(
                 marshal.dump(spec, f, 2)
             for name in os.listdir(code_dir):
                 os.chmod(os.path.join(code_dir, name), 0o644)
-            if isolation == "bwrap":
-                argv, cwd, home = _bwrap_argv(python, code_dir, scratch_mb), run_dir, "/tmp"
-            else:
-                argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
-                cwd = home = work_dir
             try:
+                if isolation == "bwrap":
+                    argv, cwd, home = _bwrap_argv(python, code_dir, scratch_mb), run_dir, "/tmp"
+                else:
+                    argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
+                    cwd = home = work_dir
                 proc = subprocess.Popen(
                     [*argv, os.path.join(inside, "spec.bin")],
                     stdin=subprocess.PIPE,
@@ -426,7 +514,9 @@ def _execute(
                     start_new_session=True,  # its own process group, killed as a whole
                     **({"user": uid, "group": uid, "extra_groups": []} if root else {}),
                 )
-            except OSError as e:  # e.g. the interpreter is not executable by the sandbox uid
+            # e.g. the interpreter is not executable by the sandbox uid, or cannot say where
+            # its runtime lives
+            except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
                 reason = f"could not start the sandbox: {e}"
                 return ExecResult(False, None, False, reason, "", str(e), 0, len(checks))
         returncode, timed_out = _wait_and_kill(proc, nonce, timeout)
