@@ -64,7 +64,7 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 TAIL_BYTES = 4096  # how much of stdout/stderr an ExecResult keeps
@@ -116,6 +116,23 @@ class Call:
     """
 
     expression: str
+
+
+@dataclass(frozen=True)
+class SeparateChecks:
+    """Checks that cannot be judged outside (loops, random inputs, statements): they run in a
+    sandbox of their own, apart from the tested program, which they reach only through a pipe.
+
+    ``program``: trusted code run first in the checks' sandbox (a task's prompt, its imports);
+    ``checks``: statements, each passing when nothing raises; ``proxies``: names of the tested
+    program's functions; in the checks' sandbox each calls that function in the program's
+    sandbox, arguments and value crossing as plain data (``marshal``). The program never sees
+    the checks, their expected values or their process, so it can only answer calls.
+    """
+
+    program: str
+    checks: tuple[str, ...]
+    proxies: tuple[str, ...]
 
 
 class SandboxUnavailable(RuntimeError):
@@ -196,6 +213,76 @@ def _encoder(max_chars):
         return text
     return encode
 
+def _read(fd, size):
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+def _send(fd, data):
+    data = b"%08x" % len(data) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+def _receive(fd, limit, loads):
+    header = _read(fd, 8)
+    if len(header) < 8:
+        raise EOFError("the other side of the pipe is gone")
+    size = int(header, 16)
+    if size > limit:
+        raise ValueError("message longer than %d bytes" % limit)
+    return loads(_read(fd, size))
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+def _check_plain(value, depth):
+    # marshal also rebuilds code objects: only plain data may reach the checks.
+    t = type(value)
+    if t in _PLAIN:
+        return
+    if depth > 100 or t not in (list, tuple, set, frozenset, dict):
+        raise TypeError("a %s is not plain data" % t.__name__)
+    for item in (value.items() if t is dict else value):
+        if t is dict:
+            _check_plain(item[0], depth + 1)
+            _check_plain(item[1], depth + 1)
+        else:
+            _check_plain(item, depth + 1)
+
+def _serve(namespace, fds, limit, dumps, loads):
+    # The program's side of a separate check: call the named function on each request's
+    # arguments, answer with its value (marshal refuses anything but plain data).
+    requests, answers = fds
+    while True:
+        try:
+            name, args, kwargs = _receive(requests, limit, loads)
+        except EOFError:
+            return
+        try:
+            data = dumps(("ok", namespace[name](*args, **kwargs)))
+        except BaseException as e:
+            _print_exc()
+            data = dumps(("error", type(e).__name__))
+        if len(data) > limit:
+            data = dumps(("error", "value too long"))
+        _send(answers, data)
+
+def _proxy(name, fds, limit, dumps, loads):
+    # The checks' side: a stand-in for the program's function ``name``.
+    answers, requests = fds
+    def call(*args, **kwargs):
+        _send(requests, dumps((name, args, kwargs)))
+        kind, value = _receive(answers, limit, loads)
+        if kind != "ok":
+            raise RuntimeError("the program's %s raised %s" % (name, value))
+        _check_plain(value, 0)
+        return value
+    call.__name__ = name
+    return call
+
 def _main():
     with open(sys.argv[1], "rb") as f:
         spec = marshal.load(f)
@@ -221,6 +308,13 @@ def _main():
         write(nonce + " program 0\n")
         return 1
     write(nonce + " program 1\n")
+    limit = 4 * spec["max_value_chars"]
+    if spec["mode"] == "serve":
+        _serve(namespace, spec["peer_fds"], limit, marshal.dumps, marshal.loads)
+        write(nonce + " done\n")
+        return 0
+    for name in spec["proxies"]:
+        namespace[name] = _proxy(name, spec["peer_fds"], limit, marshal.dumps, marshal.loads)
     failed = 0
     for i, (kind, text) in enumerate(stages):
         value = ""
@@ -451,7 +545,31 @@ def _execute(
     max_procs: int,
     max_file_mb: int,
     scratch_mb: int,
+    mode: str = "run",
+    peer_fds: tuple[int, ...] = (),
+    proxies: tuple[str, ...] = (),
 ) -> ExecResult:
+    """One sandboxed run. ``mode`` "run": the program then ``checks``; "serve": the program,
+    then answers calls read from ``peer_fds`` (requests, answers) until they end; "drive":
+    ``checks`` with each name of ``proxies`` calling a serving sandbox through ``peer_fds``
+    (answers, requests). The peer fds are closed here when the run ends (then its peer reads
+    EOF)."""
+    try:
+        return _execute_once(
+            program, checks, isolation=isolation, python=python, timeout=timeout,
+            memory_mb=memory_mb, max_procs=max_procs, max_file_mb=max_file_mb,
+            scratch_mb=scratch_mb, mode=mode, peer_fds=peer_fds, proxies=proxies,
+        )  # fmt: skip
+    finally:
+        for fd in peer_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _execute_once(
+    program, checks, *, isolation, python, timeout, memory_mb, max_procs, max_file_mb,
+    scratch_mb, mode, peer_fds, proxies,
+) -> ExecResult:  # fmt: skip
     root = _is_root()
     uid = _next_uid() if root else os.getuid()
     # Our uid's other tasks count against RLIMIT_NPROC too when we cannot switch uid.
@@ -488,6 +606,9 @@ def _execute(
                     ["call", c.expression] if isinstance(c, Call) else ["check", c] for c in checks
                 ],
                 "max_value_chars": MAX_VALUE_CHARS,
+                "mode": mode,
+                "peer_fds": list(peer_fds),
+                "proxies": list(proxies),
             }
             for name, text in (("launcher.py", _LAUNCHER), ("program.py", program)):
                 with open(os.path.join(code_dir, name), "w", encoding="utf-8") as f:
@@ -508,7 +629,7 @@ def _execute(
                     stdin=subprocess.PIPE,
                     stdout=stdout,
                     stderr=stderr,
-                    pass_fds=(result.fileno(),),
+                    pass_fds=(result.fileno(), *peer_fds),
                     cwd=cwd,
                     env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home},
                     start_new_session=True,  # its own process group, killed as a whole
@@ -766,7 +887,7 @@ def isolation_available() -> str:
 
 def run_python(
     code: str,
-    checks: Sequence[str | Call] = (),
+    checks: Sequence[str | Call] | SeparateChecks = (),
     *,
     timeout: float = 10.0,
     memory_mb: int = 1024,
@@ -777,7 +898,8 @@ def run_python(
 ) -> ExecResult:
     """Run the Python program ``code``, then each of ``checks`` in its namespace: a string is
     run as statements (it passes when nothing raises), a ``Call`` is evaluated and its value
-    returned in ``ExecResult.values``.
+    returned in ``ExecResult.values``. ``checks`` may instead be ``SeparateChecks``: they run in
+    a second sandbox and reach the program's functions only through a pipe.
 
     Limits: ``timeout`` wall seconds (CPU time ``ceil(timeout) + 1``), ``memory_mb`` address
     space, ``max_procs`` tasks of the sandbox uid (processes and threads, bwrap's own two
@@ -790,7 +912,11 @@ def run_python(
         raise ValueError("timeout, memory_mb, max_procs, max_file_mb and scratch_mb must be > 0")
     if isolation is not None and isolation not in _ISOLATIONS:
         raise ValueError(f"isolation must be one of {_ISOLATIONS} or None, got {isolation!r}")
-    if not isinstance(code, str) or any(
+    if isinstance(checks, SeparateChecks):
+        parts = [checks.program, *checks.checks, *checks.proxies]
+        if not all(isinstance(p, str) for p in parts):
+            raise ValueError("SeparateChecks holds strings only")
+    elif not isinstance(code, str) or any(
         not isinstance(c, str) and not (isinstance(c, Call) and isinstance(c.expression, str))
         for c in checks
     ):
@@ -801,16 +927,43 @@ def run_python(
         raise SandboxUnavailable(
             refusal_message(_probe_failures.get(chosen) or f"isolation {chosen!r} does not work")
         )
-    return _execute(
-        code,
-        checks,
-        isolation=chosen,
-        python=python,
-        timeout=timeout,
-        memory_mb=memory_mb,
-        max_procs=max_procs,
-        max_file_mb=max_file_mb,
-        scratch_mb=scratch_mb,
+    options = dict(isolation=chosen, python=python, timeout=timeout, memory_mb=memory_mb)
+    options.update(max_procs=max_procs, max_file_mb=max_file_mb, scratch_mb=scratch_mb)
+    if isinstance(checks, SeparateChecks):
+        return _execute_apart(code, checks, options)
+    return _execute(code, checks, **options)
+
+
+def _execute_apart(code: str, separate: SeparateChecks, options: dict) -> ExecResult:
+    """The program in one sandbox serving calls, ``separate.checks`` in another calling it."""
+    requests_out, requests_in = os.pipe()
+    answers_out, answers_in = os.pipe()
+    served: list[ExecResult] = []
+    server = threading.Thread(
+        target=lambda: served.append(
+            _execute(code, (), mode="serve", peer_fds=(requests_out, answers_in), **options)
+        )
+    )
+    server.start()
+    try:
+        checked = _execute(
+            separate.program,
+            separate.checks,
+            mode="drive",
+            peer_fds=(answers_out, requests_in),
+            proxies=separate.proxies,
+            **options,
+        )
+    finally:
+        server.join()
+    program = served[0]
+    both = checked.passed and program.passed
+    reason = checked.reason if not checked.passed else program.reason
+    if not program.passed and program.reason.startswith("program failed"):
+        reason = program.reason
+    stderr = (program.stderr_tail + checked.stderr_tail)[-TAIL_BYTES:]
+    return replace(
+        checked, passed=both, reason=reason, stdout_tail=program.stdout_tail, stderr_tail=stderr
     )
 
 
@@ -859,7 +1012,8 @@ def run_many(
         checks = [()] * len(codes)
     if len(checks) != len(codes):
         raise ValueError(f"{len(codes)} programs but {len(checks)} lists of checks")
-    jobs = list(zip(codes, (tuple(c) for c in checks), strict=True))
+    as_key = lambda c: c if isinstance(c, SeparateChecks) else tuple(c)  # noqa: E731
+    jobs = list(zip(codes, (as_key(c) for c in checks), strict=True))
     unique = list(dict.fromkeys(jobs))
     if not unique:
         return []
