@@ -509,3 +509,59 @@ def test_the_runtime_view_is_the_interpreter_and_libraries_only():
     assert result.values[1] == []
     # Writable: the private scratch only, never the new root.
     assert not run_python("open('/new.txt', 'w').write('x')\n", **FAST).passed
+
+
+# ---------------------------------------------------------------- limits per sandbox
+CHILDREN_HOLD_MEMORY = """
+import os, time
+children = []
+for i in range(6):
+    pid = os.fork()
+    if pid == 0:
+        held = b"\\x01" * (200 * 1024 * 1024)
+        time.sleep(1)
+        os._exit(0)
+    children.append(pid)
+assert all(os.waitpid(child, 0)[1] == 0 for child in children)
+"""
+MEMFDS = """
+import os
+fds = []
+for i in range({count}):
+    fd = os.memfd_create("m%d" % i)
+    data = memoryview(b"\\x01" * ({mb} * 1024 * 1024))
+    while data:
+        data = data[os.write(fd, data) :]
+    fds.append(fd)
+"""
+
+
+def _needs_cgroups():
+    _skip_unusable("bwrap")
+    if not sandbox._cgroup_parent_folders():
+        pytest.skip("no usable cgroups here (not root, or no delegation): per-process limits")
+
+
+def test_memory_is_capped_for_the_sandbox_as_a_whole(guard):
+    """6 children of 200 MB each passed a per-process limit of 256 MB (1.2 GB in all)."""
+    _needs_cgroups()
+    result = run_python(CHILDREN_HOLD_MEMORY, **{**FAST, "timeout": 20.0})
+    assert not result.passed
+    guard.assert_clean()
+
+
+def test_memfds_count_against_the_sandbox(guard):
+    _needs_cgroups()
+    limits = {**FAST, "timeout": 20.0, "max_file_mb": 16, "scratch_mb": 16}
+    # One memfd larger than the scratch space is refused, and so are many that together
+    # exceed the sandbox's memory (450 MB under memory_mb=256).
+    assert run_python(MEMFDS.format(count=1, mb=15), **limits).passed
+    assert not run_python(MEMFDS.format(count=1, mb=17), **limits).passed
+    assert not run_python(MEMFDS.format(count=30, mb=15), **limits).passed
+    guard.assert_clean()
+    assert not [
+        name
+        for _, folder in sandbox._cgroup_parent_folders()
+        for name in os.listdir(folder)
+        if name.startswith("daca-sandbox-")
+    ]

@@ -477,6 +477,111 @@ def _shared_libraries(files: list[str]) -> list[str] | None:
     return sorted(set(found)) or None
 
 
+_USE_CGROUPS = True  # False: per-process limits only (the old way; benchmarks only)
+_CGROUP_FS = "/sys/fs/cgroup"
+_cgroup_lock = threading.Lock()
+_cgroup_parents: list | None = None  # [(version, folder)] where sandbox cgroups go, or []
+
+
+def _cgroup_parent_folders() -> list[tuple[int, str]]:
+    """Where this process may create sandbox cgroups, found once: cgroup v2 (a unified
+    hierarchy whose memory and pids controllers we can enable below our own cgroup), else the
+    v1 ``memory`` and ``pids`` hierarchies (below our own cgroup in each); [] when neither
+    works (not root, no cgroupfs, no delegation): then only the per-process limits hold."""
+    global _cgroup_parents
+    with _cgroup_lock:
+        if _cgroup_parents is None:
+            _cgroup_parents = _find_cgroup_parents() if _is_root() else []
+        return _cgroup_parents
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Controller ("" for v2) -> our cgroup's path, from /proc/self/cgroup."""
+    paths = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(","):
+                paths[controller] = path
+    return paths
+
+
+def _find_cgroup_parents() -> list[tuple[int, str]]:
+    try:
+        own = _own_cgroups()
+    except (OSError, ValueError):
+        return []
+    unified = os.path.join(_CGROUP_FS, "cgroup.controllers")
+    if os.path.exists(unified) and "" in own:
+        folder = os.path.join(_CGROUP_FS, own[""].lstrip("/"))
+        try:
+            with open(os.path.join(folder, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory +pids")
+            return [(2, folder)]
+        except OSError:  # processes in our cgroup, or no delegation: v2 limits unavailable
+            return []
+    parents = []
+    for controller in ("memory", "pids"):
+        folder = os.path.join(_CGROUP_FS, controller, own.get(controller, "/").lstrip("/"))
+        if not os.access(os.path.join(folder, "cgroup.procs"), os.W_OK):
+            return []
+        parents.append((1, folder))
+    return parents
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _make_cgroups(name: str, memory_mb: int, max_procs: int) -> list[str]:
+    """Cgroups capping one sandbox as a whole: memory (anonymous, page cache, tmpfs, shared
+    memory and memfds alike; no swap) at ``memory_mb``, tasks at ``max_procs``. [] when
+    cgroups are not usable here."""
+    if not _USE_CGROUPS:
+        return []
+    memory = str(memory_mb * 1024 * 1024)
+    made = []
+    try:
+        for version, parent in _cgroup_parent_folders():
+            folder = os.path.join(parent, name)
+            os.mkdir(folder)
+            made.append(folder)
+            if version == 2:
+                _write(os.path.join(folder, "memory.max"), memory)
+                _write(os.path.join(folder, "memory.swap.max"), "0")
+                _write(os.path.join(folder, "pids.max"), str(max_procs))
+            elif os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):
+                _write(os.path.join(folder, "memory.limit_in_bytes"), memory)
+                swap = os.path.join(folder, "memory.memsw.limit_in_bytes")
+                if os.path.exists(swap):
+                    _write(swap, memory)
+            else:
+                _write(os.path.join(folder, "pids.max"), str(max_procs))
+    except OSError as e:
+        log.warning("sandbox cgroups unavailable (%s): per-process limits only", e)
+        _remove_cgroups(made)
+        return []
+    return made
+
+
+def _remove_cgroups(folders: list[str]) -> None:
+    """Kill what is left in ``folders`` (daemons, stragglers) and remove them."""
+    for folder in reversed(folders):
+        for _ in range(200):  # a killed task leaves its cgroup as it exits: milliseconds
+            with contextlib.suppress(OSError), open(os.path.join(folder, "cgroup.procs")) as f:
+                for pid in f.read().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.005)
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -577,11 +682,13 @@ def _execute_once(
         "RLIMIT_CPU": math.ceil(timeout) + 1,
         "RLIMIT_AS": memory_mb * 1024 * 1024,
         "RLIMIT_NPROC": max_procs if root else _tasks_of_uid(uid) + max_procs,
-        "RLIMIT_FSIZE": max_file_mb * 1024 * 1024,
+        # Any one file, memfds included (they live outside the scratch tmpfs).
+        "RLIMIT_FSIZE": min(max_file_mb, scratch_mb) * 1024 * 1024,
         "RLIMIT_CORE": 0,
     }
     nonce = secrets.token_hex(16)
     run_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
+    cgroups = _make_cgroups(os.path.basename(run_dir), memory_mb, max_procs) if root else []
     try:
         code_dir = os.path.join(run_dir, "code")  # read-only for the sandbox
         work_dir = os.path.join(run_dir, "work")  # the fallback's cwd (bwrap uses its tmpfs)
@@ -624,8 +731,11 @@ def _execute_once(
                 else:
                     argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
                     cwd = home = work_dir
+                argv = [*argv, os.path.join(inside, "spec.bin")]
+                if cgroups:  # waits for a first line, by then in its cgroups, then runs argv
+                    argv = ["/bin/sh", "-c", 'read _ && exec "$@"', "sh", *argv]
                 proc = subprocess.Popen(
-                    [*argv, os.path.join(inside, "spec.bin")],
+                    argv,
                     stdin=subprocess.PIPE,
                     stdout=stdout,
                     stderr=stderr,
@@ -635,12 +745,21 @@ def _execute_once(
                     start_new_session=True,  # its own process group, killed as a whole
                     **({"user": uid, "group": uid, "extra_groups": []} if root else {}),
                 )
+                try:
+                    for folder in cgroups:
+                        _write(os.path.join(folder, "cgroup.procs"), str(proc.pid))
+                except OSError:
+                    proc.kill()
+                    proc.wait()
+                    raise
             # e.g. the interpreter is not executable by the sandbox uid, or cannot say where
             # its runtime lives
             except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
                 reason = f"could not start the sandbox: {e}"
                 return ExecResult(False, None, False, reason, "", str(e), 0, len(checks))
-        returncode, timed_out = _wait_and_kill(proc, nonce, timeout)
+        returncode, timed_out = _wait_and_kill(proc, ("go\n" if cgroups else "") + nonce, timeout)
+        _remove_cgroups(cgroups)
+        cgroups = []
         if root and isolation == "fallback":
             _kill_uid(uid)  # daemons that left the process group
         stdout_tail = _tail(os.path.join(run_dir, "stdout"))
@@ -651,6 +770,7 @@ def _execute_once(
                 line[len(tag) :].rstrip("\n").split(" ", 3) for line in f if line.startswith(tag)
             ]
     finally:
+        _remove_cgroups(cgroups)
         shutil.rmtree(run_dir, ignore_errors=True)
     return _verdict(stages, len(checks), returncode, timed_out, timeout, stdout_tail, stderr_tail)
 
@@ -972,6 +1092,11 @@ def remove_stale_run_dirs() -> int:
     deadline cannot clean up after itself); returns how many."""
     root, removed = tempfile.gettempdir(), 0
     pattern = re.compile(re.escape(_RUN_DIR_PREFIX) + r"(\d+)-\w+")
+    if _is_root() and _USE_CGROUPS:  # the cgroups such a worker left (empty: killed with it)
+        for _, parent in _cgroup_parent_folders():
+            matches = [pattern.fullmatch(n) for n in _listdir(parent)]
+            stale = [m.group(0) for m in matches if m and not _alive(int(m.group(1)))]
+            _remove_cgroups([os.path.join(parent, n) for n in stale])
     for name in os.listdir(root):
         match = pattern.fullmatch(name)
         if match is None or _alive(int(match.group(1))):
