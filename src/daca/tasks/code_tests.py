@@ -355,8 +355,20 @@ def _separate_plan(asserts, rename, imports, modules) -> TestPlan:
             continue
         statements.append(ast.unparse(_Rename(rename).visit(tree)) if rename else source)
     proxies = called_names(statements, _STDLIB | frozenset(modules))
-    separate = sandbox.SeparateChecks("\n".join([*imports, ""]), tuple(statements), proxies)
+    # Standard-library modules a test uses without importing them (MBPP 596's ``sys``: the
+    # program imported it, and the checks once ran in its namespace).
+    used = set().union(*(_free_names(_parsed(s)) for s in statements))
+    missing = sorted((used & _STDLIB) - set(modules) - set(proxies))
+    prelude = [*imports, *(f"import {name}" for name in missing), ""]
+    separate = sandbox.SeparateChecks("\n".join(prelude), tuple(statements), proxies)
     return TestPlan(separate, tuple((None, (i,)) for i in range(len(statements))))
+
+
+def _parsed(source: str) -> ast.AST:
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return ast.Module([], [])
 
 
 def called_names(statements: Sequence[str], known: frozenset[str]) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Run untrusted Python (model-written code for MBPP / HumanEval) in a sandbox.
+"""Run untrusted Python (model-written code for MBPP / HumanEval) in a sandbox (docs/sandbox.md).
 
 Isolation with bubblewrap (``bwrap``), the default when it works on this machine:
 
@@ -8,12 +8,19 @@ Isolation with bubblewrap (``bwrap``), the default when it works on this machine
 - new user, pid, network, ipc, uts and cgroup namespaces: no network at all (not even the
   host's loopback), no view of or signal to host processes; the whole pid namespace dies with
   its init when the run ends or is killed (``--die-with-parent``), ``--new-session`` (no tty);
-- a read-only view of ``/``, a size-capped private tmpfs at ``/tmp`` (the working directory)
-  and ``/dev/shm``, ``/dev`` read-only, ``/home`` hidden;
-- limits set before any model code runs: ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory),
-  ``RLIMIT_NPROC`` (processes and threads), ``RLIMIT_FSIZE`` (any file written, including the
-  captured stdout/stderr, so output capture is bounded), no core dumps; a wall-time limit after
-  which the process group is killed.
+- a minimal view of the host: a new, read-only root holding only the interpreter binary, its
+  standard library (site-packages hidden, ``-S``) and the folders of the shared libraries it
+  links; a size-capped private tmpfs at ``/tmp`` (the working directory) and ``/dev/shm``, a
+  minimal ``/dev``, its own ``/proc``. No project, home, data or cache folder, no ``/etc``,
+  ``/var``, ``/run`` or host ``/tmp``, hence no host unix socket;
+- limits for the sandbox as a whole where this process can create cgroups (root; v2 with
+  delegation, else v1 ``memory`` and ``pids``): memory (anonymous, tmpfs, shared memory and
+  memfds together, no swap) at ``memory_mb`` and tasks at ``max_procs``. Per process as well,
+  set before any model code runs: ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC`` (per uid),
+  ``RLIMIT_FSIZE`` (any one file, memfds and the captured stdout/stderr included), no core
+  dumps; a wall-time limit after which the process group is killed. Without cgroups the
+  memory bound is per process: ``memory_mb`` x ``max_procs`` address space (+ 2 x
+  ``scratch_mb`` of tmpfs + memfds up to the file limit each) in the worst case.
 
 Without working bubblewrap (not installed, or user namespaces disabled; checked by a probe
 run, once per process) nothing runs: ``SandboxUnavailable`` says how to install it, or how to
@@ -28,15 +35,13 @@ warning says so once per process.
 Verdicts cannot be forged from inside the tested program when the caller judges it: a ``Call``
 check sends back only the value of an expression, as plain data (None, bool, numbers, str,
 bytes and lists, tuples, dicts, sets of them) that the caller rebuilds without evaluating it
-and compares outside the sandbox with values the program never sees (``daca.tasks.code_tests``
-splits MBPP's and HumanEval's asserts so). Patched builtins, an object equal to everything or
-forged result lines can then only name values, never a pass. The launcher binds what it uses
-before the program runs. Statement checks (the old path, kept for tests that cannot be split)
-pass when nothing raises: the launcher runs the program and then each check, and writes one
-line per stage to a result file (an inherited descriptor); only lines tagged with a random
-nonce, given to the launcher on stdin, count, so ``sys.exit``/``os._exit`` in the program cannot
-fake success. An adversary inside the interpreter can still find the nonce or make a statement
-check pass (an object whose ``__eq__`` is always true): this path guards against accidents only.
+(``decode_value``: total, bounded in size and time) and compares outside the sandbox with
+values the program never sees (``daca.tasks.code_tests`` splits MBPP's and HumanEval's asserts
+so). Checks that cannot be split run as ``SeparateChecks``: in a second sandbox, apart from the
+program, calling its functions through a pipe. Statement checks in the program's own sandbox
+(a string check) pass when nothing raises; only lines tagged with a random nonce count, but a
+program can find the nonce: that path guards against accidents only, and the tasks no longer
+use it. Whatever the program writes to its result lines, parsing them never raises here.
 """
 
 from __future__ import annotations
