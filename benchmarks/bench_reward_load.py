@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -84,8 +85,13 @@ def sandbox_leftovers() -> list[str]:
         uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
         if sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._UID_SPAN and state != "Z":
             found.append(f"process {entry.name} of sandbox uid {uid}: {cmdline(int(entry.name))}")
+    pattern = re.compile(r"daca-sandbox-(\d+)-\w+")  # kept empty for reuse while we run
     for _, parent in sandbox._cgroup_parent_folders():
-        found += [f"cgroup {parent}/{n}" for n in os.listdir(parent) if n.startswith("daca-")]
+        for name in os.listdir(parent):
+            match = pattern.fullmatch(name)
+            folder = os.path.join(parent, name)
+            if match and (int(match.group(1)) != os.getpid() or sandbox._tasks_in(folder)):
+                found.append(f"cgroup {folder} (tasks {sandbox._tasks_in(folder)})")
     return found
 
 

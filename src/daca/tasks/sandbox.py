@@ -47,6 +47,7 @@ use it. Whatever the program writes to its result lines, parsing them never rais
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import functools
 import itertools
@@ -539,35 +540,109 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _make_cgroups(name: str, memory_mb: int, max_procs: int) -> list[str]:
+_cgroup_pool: list[list[str]] = []  # emptied cgroups of this process, reused: mkdir is slow
+_cgroup_draining: list[list[str]] = []  # killed, not yet empty: removed later
+_cgroup_count = itertools.count()
+
+
+def _take_cgroups(memory_mb: int, max_procs: int) -> list[str]:
     """Cgroups capping one sandbox as a whole: memory (anonymous, page cache, tmpfs, shared
     memory and memfds alike; no swap) at ``memory_mb``, tasks at ``max_procs``. [] when
-    cgroups are not usable here."""
-    if not _USE_CGROUPS:
+    cgroups are not usable here. Give them back with ``_give_back_cgroups``."""
+    if not _USE_CGROUPS or not _cgroup_parent_folders():
         return []
-    memory = str(memory_mb * 1024 * 1024)
-    made = []
+    with _cgroup_lock:
+        _drain(block=False)
+        folders = _cgroup_pool.pop() if _cgroup_pool else None
     try:
-        for version, parent in _cgroup_parent_folders():
-            folder = os.path.join(parent, name)
-            os.mkdir(folder)
-            made.append(folder)
-            if version == 2:
-                _write(os.path.join(folder, "memory.max"), memory)
-                _write(os.path.join(folder, "memory.swap.max"), "0")
-                _write(os.path.join(folder, "pids.max"), str(max_procs))
-            elif os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):
-                _write(os.path.join(folder, "memory.limit_in_bytes"), memory)
-                swap = os.path.join(folder, "memory.memsw.limit_in_bytes")
-                if os.path.exists(swap):
-                    _write(swap, memory)
-            else:
-                _write(os.path.join(folder, "pids.max"), str(max_procs))
+        if folders is None:
+            folders = []
+            name = f"{_RUN_DIR_PREFIX}{os.getpid()}-cg{next(_cgroup_count)}"
+            for _, parent in _cgroup_parent_folders():
+                os.mkdir(os.path.join(parent, name))
+                folders.append(os.path.join(parent, name))
+        _set_cgroup_limits(folders, memory_mb, max_procs)
     except OSError as e:
         log.warning("sandbox cgroups unavailable (%s): per-process limits only", e)
-        _remove_cgroups(made)
+        _remove_cgroups(folders or [])
         return []
-    return made
+    return folders
+
+
+def _set_cgroup_limits(folders: list[str], memory_mb: int, max_procs: int) -> None:
+    memory = str(memory_mb * 1024 * 1024)
+    for folder in folders:
+        if os.path.exists(os.path.join(folder, "memory.max")):  # v2
+            _write(os.path.join(folder, "memory.max"), memory)
+            _write(os.path.join(folder, "memory.swap.max"), "0")
+        elif os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):  # v1
+            swap = os.path.join(folder, "memory.memsw.limit_in_bytes")
+            if os.path.exists(swap):  # memsw >= limit at all times: lower it in the right order
+                with contextlib.suppress(OSError):
+                    _write(swap, memory)
+                _write(os.path.join(folder, "memory.limit_in_bytes"), memory)
+                _write(swap, memory)
+            else:
+                _write(os.path.join(folder, "memory.limit_in_bytes"), memory)
+        if os.path.exists(os.path.join(folder, "pids.max")):
+            _write(os.path.join(folder, "pids.max"), str(max_procs))
+
+
+def _tasks_in(folder: str) -> list[int]:
+    try:
+        with open(os.path.join(folder, "cgroup.procs")) as f:
+            return [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _busy(folder: str) -> bool:
+    """Tasks in the cgroup, or charged to its pids counter (a zombie stays charged until it is
+    reaped, which the host's init may take seconds to do): not reusable yet."""
+    if _tasks_in(folder):
+        return True
+    try:
+        with open(os.path.join(folder, "pids.current")) as f:
+            return int(f.read()) > 0
+    except (OSError, ValueError):
+        return False
+
+
+def _give_back_cgroups(folders: list[str]) -> None:
+    """Kill what is left in a run's cgroups (daemons, stragglers); keep them for the next run
+    once empty."""
+    if not folders:
+        return
+    for folder in folders:
+        for pid in _tasks_in(folder):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    with _cgroup_lock:
+        if any(_busy(f) for f in folders):
+            _cgroup_draining.append(folders)
+        else:
+            _cgroup_pool.append(folders)
+
+
+def _drain(block: bool) -> None:
+    """Back to the pool: the draining cgroups that are empty by now (``block``: remove them
+    all, waiting for their tasks to exit)."""
+    for folders in list(_cgroup_draining):
+        if block:
+            _remove_cgroups(folders)
+        elif any(_busy(f) for f in folders):
+            continue
+        else:
+            _cgroup_pool.append(folders)
+        _cgroup_draining.remove(folders)
+
+
+@atexit.register
+def _remove_own_cgroups() -> None:
+    with _cgroup_lock:
+        _drain(block=True)
+        while _cgroup_pool:
+            _remove_cgroups(_cgroup_pool.pop())
 
 
 def _remove_cgroups(folders: list[str]) -> None:
@@ -693,7 +768,7 @@ def _execute_once(
     }
     nonce = secrets.token_hex(16)
     run_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
-    cgroups = _make_cgroups(os.path.basename(run_dir), memory_mb, max_procs) if root else []
+    cgroups = _take_cgroups(memory_mb, max_procs) if root else []
     try:
         code_dir = os.path.join(run_dir, "code")  # read-only for the sandbox
         work_dir = os.path.join(run_dir, "work")  # the fallback's cwd (bwrap uses its tmpfs)
@@ -763,7 +838,7 @@ def _execute_once(
                 reason = f"could not start the sandbox: {e}"
                 return ExecResult(False, None, False, reason, "", str(e), 0, len(checks))
         returncode, timed_out = _wait_and_kill(proc, ("go\n" if cgroups else "") + nonce, timeout)
-        _remove_cgroups(cgroups)
+        _give_back_cgroups(cgroups)
         cgroups = []
         if root and isolation == "fallback":
             _kill_uid(uid)  # daemons that left the process group
@@ -775,7 +850,7 @@ def _execute_once(
                 line[len(tag) :].rstrip("\n").split(" ", 3) for line in f if line.startswith(tag)
             ]
     finally:
-        _remove_cgroups(cgroups)
+        _give_back_cgroups(cgroups)
         shutil.rmtree(run_dir, ignore_errors=True)
     return _verdict(stages, len(checks), returncode, timed_out, timeout, stdout_tail, stderr_tail)
 
