@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -70,28 +69,32 @@ def socket_fds() -> int:
 
 
 def sandbox_leftovers() -> list[str]:
-    """Live processes of a sandbox uid (root runs; zombies, which init reaps within seconds,
-    aside) and sandbox cgroups still there."""
+    """Live processes of this run's sandboxes (zombies, which init reaps within seconds,
+    aside), and this run's sandbox cgroups still holding tasks. With cgroups, a process is this
+    run's when it sits in one of its cgroups; without (not root), any process of a sandbox uid
+    counts (other runs on the machine included)."""
     from daca.tasks import sandbox
 
+    mine = f"/daca-sandbox-{os.getpid()}-"
+    cgroups = bool(sandbox._cgroup_parent_folders())
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fields = dict(x.split(":", 1) for x in (entry / "status").read_text().splitlines())
+            groups = (entry / "cgroup").read_text()
         except (OSError, ValueError):
             continue
         uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
-        if sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._UID_SPAN and state != "Z":
-            found.append(f"process {entry.name} of sandbox uid {uid}: {cmdline(int(entry.name))}")
-    pattern = re.compile(r"daca-sandbox-(\d+)-\w+")  # kept empty for reuse while we run
+        sandboxed = sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._UID_SPAN
+        if state != "Z" and (mine in groups if cgroups else sandboxed):
+            found.append(f"process {entry.name} of uid {uid}: {cmdline(int(entry.name))}")
     for _, parent in sandbox._cgroup_parent_folders():
         for name in os.listdir(parent):
-            match = pattern.fullmatch(name)
             folder = os.path.join(parent, name)
-            if match and (int(match.group(1)) != os.getpid() or sandbox._tasks_in(folder)):
-                found.append(f"cgroup {folder} (tasks {sandbox._tasks_in(folder)})")
+            if ("/" + name).startswith(mine) and sandbox._tasks_in(folder):
+                found.append(f"cgroup {folder} holds {sandbox._tasks_in(folder)}")
     return found
 
 
