@@ -1101,10 +1101,12 @@ def run_python(
     returned in ``ExecResult.values``. ``checks`` may instead be ``SeparateChecks``: they run in
     a second sandbox and reach the program's functions only through a pipe.
 
-    Limits: ``timeout`` wall seconds (CPU time ``ceil(timeout) + 1``), ``memory_mb`` address
-    space, ``max_procs`` tasks of the sandbox uid (processes and threads, bwrap's own two
-    included), ``max_file_mb`` per file written (stdout/stderr included), ``scratch_mb`` for the
-    writable ``/tmp`` and ``/dev/shm`` (bwrap only). ``isolation``: None (bubblewrap when it
+    Limits: ``timeout`` wall seconds (CPU time ``ceil(timeout) + 1``), ``memory_mb`` for the
+    whole sandbox with cgroups (and address space per process), ``max_procs`` tasks of the
+    sandbox (processes and threads, bwrap's own two included), ``min(max_file_mb, scratch_mb)``
+    per file written (stdout/stderr and memfds included), ``scratch_mb`` for the writable
+    ``/tmp`` and ``/dev/shm`` (bwrap only). ``SeparateChecks`` run under the same limits, in a
+    sandbox of their own. ``isolation``: None (bubblewrap when it
     works, else ``SandboxUnavailable`` unless unsafe execution was asked for), ``"bwrap"``, or
     ``"fallback"`` (asking for the unsafe plain subprocess explicitly).
     """
