@@ -7,7 +7,11 @@ alternate the reference answer (in the reasoning/answer format) and a wrong one.
 variants alternate within each repetition; medians are reported (the CPU may be shared). MBPP
 and HumanEval run only where the sandbox can execute (bubblewrap, or DACA_UNSAFE_EXEC=1).
 
-    python benchmarks/bench_reward_guard.py [--quick] [--data ../shared/data]
+It first prints the cost of one sandboxed execution as daca runs it now (a minimal view of the
+host, limits per sandbox) against the old way (the host's / read-only, per-process limits), the
+two alternating in the same run.
+
+    python benchmarks/bench_reward_guard.py [--quick] [--data ../shared/data] [--sandbox-only]
 """
 
 from __future__ import annotations
@@ -116,14 +120,68 @@ def bench(name: str, data: Path, reps: int) -> float | None:
     return a / b
 
 
+def sandbox_ratio(data: Path, reps: int) -> float | None:
+    """Seconds per sandboxed execution (8 MBPP reference solutions, one at a time) with the
+    minimal view and per-sandbox cgroups against the old way (the host's / bound read-only,
+    per-process limits only), the two alternating in this run; prints the ratio new / old."""
+    from daca.tasks import mbpp, sandbox
+
+    path = data / "mbpp" / "sanitized-mbpp.json"
+    if not path.exists():
+        print(f"sandbox      skipped: {path} absent")
+        return None
+    rows = get_task("mbpp").load("test", path=path, limit=8)
+    jobs = [
+        (
+            mbpp.program(_fenced(r["code"]), r["test_imports"]),
+            mbpp.test_plan(tuple(r["test_list"]), tuple(r["test_imports"])).checks,
+        )
+        for r in rows
+    ]
+
+    def per_execution(old: bool) -> float:
+        sandbox._FULL_HOST_VIEW, sandbox._USE_CGROUPS = old, not old
+        start = time.perf_counter()
+        for code, checks in jobs:
+            if not sandbox.run_python(code, checks, **mbpp.SANDBOX_LIMITS).passed:
+                raise RuntimeError("a reference solution failed in the sandbox")
+        return (time.perf_counter() - start) / len(jobs)
+
+    try:
+        per_execution(True), per_execution(False)  # probe, runtime view: outside the timing
+        old, new = [], []
+        for _ in range(reps):
+            old.append(per_execution(True))
+            new.append(per_execution(False))
+    except (sandbox.SandboxUnavailable, RuntimeError) as e:
+        print(f"sandbox      skipped: {str(e)[:150]}")
+        return None
+    finally:
+        sandbox._FULL_HOST_VIEW, sandbox._USE_CGROUPS = False, True
+    o, n = statistics.median(old), statistics.median(new)
+    cgroups = "cgroups" if sandbox._cgroup_parent_folders() else "no usable cgroups"
+    print(
+        f"sandboxed execution ({cgroups}), median of {reps} x {len(jobs)}: old view "
+        f"{o * 1000:.1f} ms, minimal view + per-sandbox limits {n * 1000:.1f} ms, "
+        f"ratio {n / o:.3f}"
+    )
+    return n / o
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
     parser.add_argument("--tasks", nargs="*", default=list(COMPLETIONS), help="tasks to run")
+    parser.add_argument(
+        "--sandbox-only", action="store_true", help="only the cost per sandboxed execution"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     reps = 3 if args.quick else 7
+    sandbox_ratio(args.data, reps * 3)
+    if args.sandbox_only:
+        return
     print(f"rewards per second, one batch per call, median of {reps} (completions in the batch)")
     ratios = [r for name in args.tasks if (r := bench(name, args.data, reps)) is not None]
     if ratios:

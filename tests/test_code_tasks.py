@@ -1,5 +1,6 @@
 """MBPP and HumanEval: code extraction, sandboxed test rewards, loaders on the real data."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,8 @@ from daca.tasks.formats import extract_code, fenced_blocks
 from daca.tasks.humaneval import make_task as make_humaneval
 from daca.tasks.mbpp import make_task as make_mbpp
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# DACA_DATA: the shared data folder, for a checkout that is not next to it (a worktree).
+DATA = Path(os.environ.get("DACA_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 FAST = {"timeout": 1.5, "memory_mb": 256}
 
 

@@ -425,3 +425,145 @@ def test_decode_value_rebuilds_without_evaluating():
     for text in ("__import__('os')", "float('1e3')", "open('x')", "x", "[1, *y]", "1 + 2"):
         with pytest.raises(ValueError):
             sandbox.decode_value(text)
+
+
+# ---------------------------------------------------------------- the host the program sees
+PROJECT_FILE = str(Path(sandbox.__file__).resolve())
+DATA_FILE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "README.md")
+PEEK = """
+import os, socket
+def peek():
+    try:
+{attempt}
+    except Exception:
+        return 'nothing'
+    return 'ok'
+"""
+READ = "        open({path!r}, 'rb').read(1)"
+CONNECT = "        socket.socket(socket.AF_UNIX).connect({path!r})"
+LIST_ROOT = "        assert {{'work', 'etc', 'root'}} & set(os.listdir('/'))"
+
+
+def _peek_rewards(attempts):
+    """MBPP's reward of each completion whose ``peek()`` returns 'ok' when its attempt works."""
+    from daca.tasks import get_task
+    from daca.tasks.rewards import score_rewards
+
+    task = get_task("mbpp")
+    codes = [PEEK.format(attempt=a) for a in attempts]
+    columns = {"test_list": [["assert peek() == 'ok'"]] * len(codes)}
+    columns["test_imports"] = [[]] * len(codes)
+    per_func, _, errors = score_rewards(
+        task.reward_funcs, task.reward_weights, [""] * len(codes), codes, columns
+    )
+    assert errors == 0
+    return per_func[:, 0].tolist()
+
+
+def test_the_program_sees_only_the_python_runtime(monkeypatch):
+    """Reading the project, the data, /etc, a host unix socket or listing / scores 0 through
+    the public reward path; with the host's / bound read-only (the old view) each scored 1."""
+    if _default_isolation() != "bwrap":
+        pytest.skip("the minimal view is bubblewrap's")
+    folders = [Path(tempfile.mkdtemp(dir=d)) for d in ("/tmp", "/var/tmp")]
+    listeners = []
+    try:
+        for folder in folders:
+            folder.chmod(0o777)
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(str(folder / "host.sock"))
+            os.chmod(folder / "host.sock", 0o777)
+            listener.listen(8)
+            listeners.append(listener)
+        files = [PROJECT_FILE, "/etc/hostname", "/etc/passwd"]
+        files += [DATA_FILE] if os.path.exists(DATA_FILE) else []
+        attempts = [READ.format(path=p) for p in files] + [LIST_ROOT.format()]
+        attempts += [CONNECT.format(path=str(f / "host.sock")) for f in folders]
+        assert _peek_rewards(attempts) == [0.0] * len(attempts)
+        # The old view (in this process: score_rewards runs code rewards in a worker): each
+        # attempt but the socket in /tmp (a private tmpfs there too) worked.
+        monkeypatch.setattr(sandbox, "_FULL_HOST_VIEW", True)
+        old = [
+            run_python(PEEK.format(attempt=a), [sandbox.Call("peek()")], **FAST) for a in attempts
+        ]
+        assert [r.values.get(0) for r in old] == ["ok"] * (len(attempts) - 2) + ["nothing", "ok"]
+    finally:
+        for listener in listeners:
+            listener.close()
+        for folder in folders:
+            (folder / "host.sock").unlink(missing_ok=True)
+            folder.rmdir()
+
+
+def test_the_runtime_view_is_the_interpreter_and_libraries_only():
+    if _default_isolation() != "bwrap":
+        pytest.skip("the minimal view is bubblewrap's")
+    code = (
+        "import os, json, math, re, collections, heapq, itertools, fractions, decimal, random\n"
+        "top = sorted(os.listdir('/'))\n"
+        "sites = [p for p in __import__('sys').path if 'packages' in p]\n"
+    )
+    result = run_python(code, [sandbox.Call("top"), sandbox.Call("sites")], **FAST)
+    assert result.passed, result.reason
+    assert set(result.values[0]) <= {"bin", "dev", "lib", "lib32", "lib64", "proc", "tmp", "usr"}
+    assert result.values[1] == []
+    # Writable: the private scratch only, never the new root.
+    assert not run_python("open('/new.txt', 'w').write('x')\n", **FAST).passed
+
+
+# ---------------------------------------------------------------- limits per sandbox
+CHILDREN_HOLD_MEMORY = """
+import os, time
+children = []
+for i in range(6):
+    pid = os.fork()
+    if pid == 0:
+        held = b"\\x01" * (200 * 1024 * 1024)
+        time.sleep(1)
+        os._exit(0)
+    children.append(pid)
+assert all(os.waitpid(child, 0)[1] == 0 for child in children)
+"""
+MEMFDS = """
+import os
+fds = []
+for i in range({count}):
+    fd = os.memfd_create("m%d" % i)
+    data = memoryview(b"\\x01" * ({mb} * 1024 * 1024))
+    while data:
+        data = data[os.write(fd, data) :]
+    fds.append(fd)
+"""
+
+
+def _needs_cgroups():
+    _skip_unusable("bwrap")
+    if not sandbox._cgroup_parent_folders():
+        pytest.skip("no usable cgroups here (not root, or no delegation): per-process limits")
+
+
+def test_memory_is_capped_for_the_sandbox_as_a_whole(guard):
+    """6 children of 200 MB each passed a per-process limit of 256 MB (1.2 GB in all)."""
+    _needs_cgroups()
+    result = run_python(CHILDREN_HOLD_MEMORY, **{**FAST, "timeout": 20.0})
+    assert not result.passed
+    guard.assert_clean()
+
+
+def test_memfds_count_against_the_sandbox(guard):
+    _needs_cgroups()
+    limits = {**FAST, "timeout": 20.0, "max_file_mb": 16, "scratch_mb": 16}
+    # One memfd larger than the scratch space is refused, and so are many that together
+    # exceed the sandbox's memory (450 MB under memory_mb=256).
+    assert run_python(MEMFDS.format(count=1, mb=15), **limits).passed
+    assert not run_python(MEMFDS.format(count=1, mb=17), **limits).passed
+    assert not run_python(MEMFDS.format(count=30, mb=15), **limits).passed
+    guard.assert_clean()
+    # The sandbox cgroups are kept for the next runs (creating one is slow), empty.
+    ours = [
+        os.path.join(parent, name)
+        for _, parent in sandbox._cgroup_parent_folders()
+        for name in os.listdir(parent)
+        if name.startswith(f"daca-sandbox-{os.getpid()}-")
+    ]
+    assert ours and not [f for f in ours if sandbox._tasks_in(f)]

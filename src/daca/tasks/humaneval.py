@@ -8,10 +8,11 @@ list of asserts (157 of the 164 problems), each is judged outside the program
 (``code_tests``): the sandbox returns the values of the calls with ``candidate`` bound to the
 entry point, and the comparison happens here; the test code never enters the sandbox. The
 other 7 (HumanEval/32, 38, 44, 50, 53: loops over random or generated inputs; 129, 151: a
-statement or assignments among the asserts) run as before: the program, then ``test``, then
-the check ``check(entry_point)``. Training rewards: 1.0 when all tests pass (HumanEval scores
-all-or-nothing) + 0.5 for a python block inside the answer tags. ``score``: 1.0 when the tests
-pass.
+statement or assignments among the asserts) run ``check(entry_point)`` in a second sandbox
+holding the prompt and ``test`` only, whose ``entry_point`` calls the program's through a pipe
+(``sandbox.SeparateChecks``; docs/sandbox.md). Training rewards: 1.0 when all tests pass
+(HumanEval scores all-or-nothing) + 0.5 for a python block inside the answer tags. ``score``:
+1.0 when the tests pass.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ INSTRUCTION = (
 )
 
 
-def program(completion: str, prompt: str, test: str = "") -> str:
-    """The code the sandbox runs: the task prompt, the completion's code (and, for tests that
-    cannot be split, the test function)."""
-    return f"{prompt}\n{extract_code(completion)}\n\n{test}\n"
+def program(completion: str, prompt: str) -> str:
+    """The code the sandbox runs: the task prompt, then the completion's code."""
+    return f"{prompt}\n{extract_code(completion)}\n"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -66,6 +66,15 @@ def test_plan(test: str, entry_point: str) -> code_tests.TestPlan | None:
     return test_plan if test_plan.split_count == len(body) else None
 
 
+def separate_checks(prompt: str, test: str, entry_point: str) -> sandbox.SeparateChecks:
+    """For a test that cannot be split: the prompt (its helpers: ``poly``, ``encode_cyclic``)
+    and ``test`` run in a sandbox of their own, whose ``check`` calls the program's entry point
+    through a pipe; a program that redefines the prompt's helpers changes only its own copy."""
+    return sandbox.SeparateChecks(
+        f"{prompt}\n\n{test}\n", (f"check({entry_point})",), (entry_point,)
+    )
+
+
 def _is_metadata(statement: ast.stmt) -> bool:
     return isinstance(statement, ast.Assign) and all(
         isinstance(t, ast.Name) and t.id == "METADATA" for t in statement.targets
@@ -85,8 +94,8 @@ def run_tests(completions, prompt, test, entry_point, *, workers=2, **limits) ->
     for text, p, t, e in zip(texts, prompt, test, entry_point, strict=True):
         plan = test_plan(t, e)
         plans.append(plan)
-        codes.append(program(text, p) if plan else program(text, p, t))
-        checks.append(plan.checks if plan else (f"check({e})",))
+        codes.append(program(text, p))
+        checks.append(plan.checks if plan else separate_checks(p, t, e))
     results = sandbox.run_many(codes, checks, workers=workers, **{**SANDBOX_LIMITS, **limits})
     return [
         r.passed and (plan is None or all(code_tests.assert_results(plan, r)))

@@ -4,11 +4,12 @@ Rows ``{"task_id", "prompt", "code", "test_imports", "test_list"}``. The program
 ``test_imports`` followed by the completion's code (``formats.extract_code``); it runs in the
 sandbox (``daca.tasks.sandbox``, never in this process). Each assert of ``test_list`` is judged
 outside the program (``code_tests``): the sandbox returns the values of its calls and the
-comparison with the expected values happens here. Over the sanitized file's 1324 asserts only
-the 3 of task 126 (its function is named ``sum``, like the builtin) cannot be split; they run in
-the sandbox as statements, as before. Training rewards: the fraction of asserts that pass (d1's
-code reward counts them one by one) + 0.5 for a python block inside the answer tags. ``score``:
-1.0 when all asserts pass.
+comparison with the expected values happens here. Of the sanitized file's 427 tasks, 2 cannot
+be split (126: its function is named ``sum``, like the builtin; 596: its expected values call
+``sys.getsizeof``): their asserts run as statements in a second sandbox, apart from the
+program, calling its function through a pipe (``sandbox.SeparateChecks``; docs/sandbox.md).
+Training rewards: the fraction of asserts that pass (d1's code reward counts them one by one)
++ 0.5 for a python block inside the answer tags. ``score``: 1.0 when all asserts pass.
 Splits of the sanitized file by task id (as on the hub): prompt 1-10, test 11-510,
 validation 511-600, train 601-974.
 """

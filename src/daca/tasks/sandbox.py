@@ -1,4 +1,4 @@
-"""Run untrusted Python (model-written code for MBPP / HumanEval) in a sandbox.
+"""Run untrusted Python (model-written code for MBPP / HumanEval) in a sandbox (docs/sandbox.md).
 
 Isolation with bubblewrap (``bwrap``), the default when it works on this machine:
 
@@ -8,12 +8,19 @@ Isolation with bubblewrap (``bwrap``), the default when it works on this machine
 - new user, pid, network, ipc, uts and cgroup namespaces: no network at all (not even the
   host's loopback), no view of or signal to host processes; the whole pid namespace dies with
   its init when the run ends or is killed (``--die-with-parent``), ``--new-session`` (no tty);
-- a read-only view of ``/``, a size-capped private tmpfs at ``/tmp`` (the working directory)
-  and ``/dev/shm``, ``/dev`` read-only, ``/home`` hidden;
-- limits set before any model code runs: ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory),
-  ``RLIMIT_NPROC`` (processes and threads), ``RLIMIT_FSIZE`` (any file written, including the
-  captured stdout/stderr, so output capture is bounded), no core dumps; a wall-time limit after
-  which the process group is killed.
+- a minimal view of the host: a new, read-only root holding only the interpreter binary, its
+  standard library (site-packages hidden, ``-S``) and the folders of the shared libraries it
+  links; a size-capped private tmpfs at ``/tmp`` (the working directory) and ``/dev/shm``, a
+  minimal ``/dev``, its own ``/proc``. No project, home, data or cache folder, no ``/etc``,
+  ``/var``, ``/run`` or host ``/tmp``, hence no host unix socket;
+- limits for the sandbox as a whole where this process can create cgroups (root; v2 with
+  delegation, else v1 ``memory`` and ``pids``): memory (anonymous, tmpfs, shared memory and
+  memfds together, no swap) at ``memory_mb`` and tasks at ``max_procs``. Per process as well,
+  set before any model code runs: ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC`` (per uid),
+  ``RLIMIT_FSIZE`` (any one file, memfds and the captured stdout/stderr included), no core
+  dumps; a wall-time limit after which the process group is killed. Without cgroups the
+  memory bound is per process: ``memory_mb`` x ``max_procs`` address space (+ 2 x
+  ``scratch_mb`` of tmpfs + memfds up to the file limit each) in the worst case.
 
 Without working bubblewrap (not installed, or user namespaces disabled; checked by a probe
 run, once per process) nothing runs: ``SandboxUnavailable`` says how to install it, or how to
@@ -28,22 +35,24 @@ warning says so once per process.
 Verdicts cannot be forged from inside the tested program when the caller judges it: a ``Call``
 check sends back only the value of an expression, as plain data (None, bool, numbers, str,
 bytes and lists, tuples, dicts, sets of them) that the caller rebuilds without evaluating it
-and compares outside the sandbox with values the program never sees (``daca.tasks.code_tests``
-splits MBPP's and HumanEval's asserts so). Patched builtins, an object equal to everything or
-forged result lines can then only name values, never a pass. The launcher binds what it uses
-before the program runs. Statement checks (the old path, kept for tests that cannot be split)
-pass when nothing raises: the launcher runs the program and then each check, and writes one
-line per stage to a result file (an inherited descriptor); only lines tagged with a random
-nonce, given to the launcher on stdin, count, so ``sys.exit``/``os._exit`` in the program cannot
-fake success. An adversary inside the interpreter can still find the nonce or make a statement
-check pass (an object whose ``__eq__`` is always true): this path guards against accidents only.
+(``decode_value``: total, bounded in size and time) and compares outside the sandbox with
+values the program never sees (``daca.tasks.code_tests`` splits MBPP's and HumanEval's asserts
+so). Checks that cannot be split run as ``SeparateChecks``: in a second sandbox, apart from the
+program, calling its functions through a pipe. Statement checks in the program's own sandbox
+(a string check) pass when nothing raises; only lines tagged with a random nonce count, but a
+program can find the nonce: that path guards against accidents only, and the tasks no longer
+use it. Whatever the program writes to its result lines, parsing them never raises here.
 """
 
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
+import functools
 import itertools
+import json
+import logging
 import marshal
 import math
 import os
@@ -61,7 +70,7 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 TAIL_BYTES = 4096  # how much of stdout/stderr an ExecResult keeps
@@ -70,6 +79,7 @@ UNSAFE_ENV = "DACA_UNSAFE_EXEC"  # "1": run model code without isolation when bw
 _UID_BASE, _UID_SPAN = 40000, 20000  # sandbox uids used when running as root
 _ISOLATIONS = ("bwrap", "fallback")
 _RUN_DIR_PREFIX = "daca-sandbox-"  # then the pid of the process that runs it
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class ExecResult:
     checks_total: int = 0
     values: dict[int, Any] = field(default_factory=dict)  # check index of a Call -> its value
     passed_indices: frozenset[int] = frozenset()  # indices of the checks that passed
+    refused: dict[int, str] = field(default_factory=dict)  # check index -> why its value was not
 
     @property
     def pass_rate(self) -> float:
@@ -111,6 +122,23 @@ class Call:
     """
 
     expression: str
+
+
+@dataclass(frozen=True)
+class SeparateChecks:
+    """Checks that cannot be judged outside (loops, random inputs, statements): they run in a
+    sandbox of their own, apart from the tested program, which they reach only through a pipe.
+
+    ``program``: trusted code run first in the checks' sandbox (a task's prompt, its imports);
+    ``checks``: statements, each passing when nothing raises; ``proxies``: names of the tested
+    program's functions; in the checks' sandbox each calls that function in the program's
+    sandbox, arguments and value crossing as plain data (``marshal``). The program never sees
+    the checks, their expected values or their process, so it can only answer calls.
+    """
+
+    program: str
+    checks: tuple[str, ...]
+    proxies: tuple[str, ...]
 
 
 class SandboxUnavailable(RuntimeError):
@@ -191,6 +219,76 @@ def _encoder(max_chars):
         return text
     return encode
 
+def _read(fd, size):
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+def _send(fd, data):
+    data = b"%08x" % len(data) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+def _receive(fd, limit, loads):
+    header = _read(fd, 8)
+    if len(header) < 8:
+        raise EOFError("the other side of the pipe is gone")
+    size = int(header, 16)
+    if size > limit:
+        raise ValueError("message longer than %d bytes" % limit)
+    return loads(_read(fd, size))
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+def _check_plain(value, depth):
+    # marshal also rebuilds code objects: only plain data may reach the checks.
+    t = type(value)
+    if t in _PLAIN:
+        return
+    if depth > 100 or t not in (list, tuple, set, frozenset, dict):
+        raise TypeError("a %s is not plain data" % t.__name__)
+    for item in (value.items() if t is dict else value):
+        if t is dict:
+            _check_plain(item[0], depth + 1)
+            _check_plain(item[1], depth + 1)
+        else:
+            _check_plain(item, depth + 1)
+
+def _serve(namespace, fds, limit, dumps, loads):
+    # The program's side of a separate check: call the named function on each request's
+    # arguments, answer with its value (marshal refuses anything but plain data).
+    requests, answers = fds
+    while True:
+        try:
+            name, args, kwargs = _receive(requests, limit, loads)
+        except EOFError:
+            return
+        try:
+            data = dumps(("ok", namespace[name](*args, **kwargs)))
+        except BaseException as e:
+            _print_exc()
+            data = dumps(("error", type(e).__name__))
+        if len(data) > limit:
+            data = dumps(("error", "value too long"))
+        _send(answers, data)
+
+def _proxy(name, fds, limit, dumps, loads):
+    # The checks' side: a stand-in for the program's function ``name``.
+    answers, requests = fds
+    def call(*args, **kwargs):
+        _send(requests, dumps((name, args, kwargs)))
+        kind, value = _receive(answers, limit, loads)
+        if kind != "ok":
+            raise RuntimeError("the program's %s raised %s" % (name, value))
+        _check_plain(value, 0)
+        return value
+    call.__name__ = name
+    return call
+
 def _main():
     with open(sys.argv[1], "rb") as f:
         spec = marshal.load(f)
@@ -216,6 +314,13 @@ def _main():
         write(nonce + " program 0\n")
         return 1
     write(nonce + " program 1\n")
+    limit = 4 * spec["max_value_chars"]
+    if spec["mode"] == "serve":
+        _serve(namespace, spec["peer_fds"], limit, marshal.dumps, marshal.loads)
+        write(nonce + " done\n")
+        return 0
+    for name in spec["proxies"]:
+        namespace[name] = _proxy(name, spec["peer_fds"], limit, marshal.dumps, marshal.loads)
     failed = 0
     for i, (kind, text) in enumerate(stages):
         value = ""
@@ -280,16 +385,281 @@ def _tasks_of_uid(uid: int) -> int:
 
 
 def _bwrap_argv(python: str, code_dir: str, scratch_mb: int) -> list[str]:
+    """The bubblewrap command: a new root holding only the interpreter's runtime (read-only),
+    a private size-capped ``/tmp`` (the working directory) and ``/dev/shm``, a minimal ``/dev``,
+    the sandbox's own ``/proc``, and the run's code at ``/tmp/.sandbox``."""
     size = str(scratch_mb * 1024 * 1024)
     bwrap = shutil.which("bwrap") or "bwrap"  # ours: Popen would search the sandbox's PATH
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+    if _FULL_HOST_VIEW:  # the view before the minimal one, kept for bench_reward_guard only
+        view, executable = ["--ro-bind", "/", "/"], python
+        if os.path.isdir("/home"):
+            view += ["--size", "4096", "--tmpfs", "/home", "--remount-ro", "/home"]
+    else:
+        executable, view = _runtime_view(python)
+    argv = [bwrap, *view, "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
     argv += ["--remount-ro", "/dev", "--proc", "/proc", "--size", size, "--tmpfs", "/tmp"]
-    if os.path.isdir("/home"):
-        argv += ["--size", "4096", "--tmpfs", "/home", "--remount-ro", "/home"]
     argv += ["--ro-bind", code_dir, "/tmp/.sandbox", "--chdir", "/tmp"]
+    if not _FULL_HOST_VIEW:
+        argv += ["--remount-ro", "/"]
     argv += ["--unshare-all", "--unshare-user", "--disable-userns"]
-    argv += ["--die-with-parent", "--new-session", "--", python, "-I", "-B"]
+    argv += ["--die-with-parent", "--new-session", "--", executable, "-I", "-B"]
+    if not _FULL_HOST_VIEW:
+        argv.append("-S")  # no site-packages: the tasks need the standard library only
     return argv + ["/tmp/.sandbox/launcher.py"]
+
+
+_FULL_HOST_VIEW = False  # True: bind the host's / read-only (the old view; benchmarks only)
+# Asked of the interpreter itself: where its standard library and extension modules live.
+_RUNTIME_QUERY = """
+import json, site, sys, sysconfig
+print(json.dumps({
+    "executable": sys.executable,
+    "stdlib": [sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")],
+    "dynload": sysconfig.get_config_var("DESTSHARED") or "",
+    "site": site.getsitepackages() + [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")],
+}))
+"""
+_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32")
+
+
+@functools.lru_cache(maxsize=8)
+def _runtime_view(python: str) -> tuple[str, list[str]]:
+    """(the interpreter to run, bwrap arguments that show it its runtime and nothing else).
+
+    Read-only: the interpreter binary, its standard library (site-packages hidden under an
+    empty tmpfs), and the folders of the shared libraries it and its extension modules link
+    (``ldd``; without ldd, the usual library folders). Top-level symlinks on the way (merged
+    ``/usr``: ``/lib -> usr/lib``) are recreated as symlinks.
+    """
+    query = [python, "-I", "-S", "-c", _RUNTIME_QUERY]
+    info = json.loads(subprocess.run(query, capture_output=True, timeout=60, check=True).stdout)
+    executable = os.path.realpath(info["executable"] or python)
+    dynload = info["dynload"]
+    modules = [os.path.join(dynload, n) for n in _listdir(dynload) if n.endswith(".so")]
+    libraries = _shared_libraries([executable, *modules])
+    if libraries is None:  # no ldd: the usual places
+        needed = [d for d in _LIB_DIRS if os.path.isdir(d)]
+        dirs = {os.path.realpath(d) for d in needed}
+    else:
+        needed = libraries
+        dirs = {os.path.realpath(os.path.dirname(p)) for p in needed}
+        dirs |= {os.path.dirname(os.path.realpath(p)) for p in needed}
+    dirs |= {os.path.realpath(d) for d in [*info["stdlib"], dynload] if d and os.path.isdir(d)}
+    view = []
+    for name in sorted(os.listdir("/")):
+        top = "/" + name
+        if os.path.islink(top) and any(p == top or p.startswith(top + "/") for p in needed):
+            view += ["--symlink", os.readlink(top), top]
+    kept = sorted(d for d in dirs if not any(d.startswith(o + "/") for o in dirs))
+    for d in kept:
+        view += ["--ro-bind", d, d]
+    if not any(executable.startswith(d + "/") for d in kept):
+        view += ["--ro-bind", executable, executable]
+    hidden = {os.path.realpath(d) for d in info["site"] if os.path.isdir(d)}
+    for d in sorted(hidden):
+        if any(d.startswith(k + "/") for k in kept):
+            view += ["--size", "4096", "--tmpfs", d, "--remount-ro", d]
+    return executable, view
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path) if path else []
+    except OSError:
+        return []
+
+
+def _shared_libraries(files: list[str]) -> list[str] | None:
+    """Paths (as the loader names them) of the shared libraries ``files`` link, the loader
+    itself included; None without a working ``ldd``."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        return None
+    try:
+        out = subprocess.run([ldd, *files], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.findall(r"(?:=>\s*)?(/\S+) \(0x", out)
+    return sorted(set(found)) or None
+
+
+_USE_CGROUPS = True  # False: per-process limits only (the old way; benchmarks only)
+_CGROUP_FS = "/sys/fs/cgroup"
+_cgroup_lock = threading.Lock()
+_cgroup_parents: list | None = None  # [(version, folder)] where sandbox cgroups go, or []
+
+
+def _cgroup_parent_folders() -> list[tuple[int, str]]:
+    """Where this process may create sandbox cgroups, found once: cgroup v2 (a unified
+    hierarchy whose memory and pids controllers we can enable below our own cgroup), else the
+    v1 ``memory`` and ``pids`` hierarchies (below our own cgroup in each); [] when neither
+    works (not root, no cgroupfs, no delegation): then only the per-process limits hold."""
+    global _cgroup_parents
+    with _cgroup_lock:
+        if _cgroup_parents is None:
+            _cgroup_parents = _find_cgroup_parents() if _is_root() else []
+        return _cgroup_parents
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Controller ("" for v2) -> our cgroup's path, from /proc/self/cgroup."""
+    paths = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(","):
+                paths[controller] = path
+    return paths
+
+
+def _find_cgroup_parents() -> list[tuple[int, str]]:
+    try:
+        own = _own_cgroups()
+    except (OSError, ValueError):
+        return []
+    unified = os.path.join(_CGROUP_FS, "cgroup.controllers")
+    if os.path.exists(unified) and "" in own:
+        folder = os.path.join(_CGROUP_FS, own[""].lstrip("/"))
+        try:
+            with open(os.path.join(folder, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory +pids")
+            return [(2, folder)]
+        except OSError:  # processes in our cgroup, or no delegation: v2 limits unavailable
+            return []
+    parents = []
+    for controller in ("memory", "pids"):
+        folder = os.path.join(_CGROUP_FS, controller, own.get(controller, "/").lstrip("/"))
+        if not os.access(os.path.join(folder, "cgroup.procs"), os.W_OK):
+            return []
+        parents.append((1, folder))
+    return parents
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+_cgroup_pool: list[list[str]] = []  # emptied cgroups of this process, reused: mkdir is slow
+_cgroup_draining: list[list[str]] = []  # killed, not yet empty: removed later
+_cgroup_count = itertools.count()
+
+
+def _take_cgroups(memory_mb: int, max_procs: int) -> list[str]:
+    """Cgroups capping one sandbox as a whole: memory (anonymous, page cache, tmpfs, shared
+    memory and memfds alike; no swap) at ``memory_mb``, tasks at ``max_procs``. [] when
+    cgroups are not usable here. Give them back with ``_give_back_cgroups``."""
+    if not _USE_CGROUPS or not _cgroup_parent_folders():
+        return []
+    with _cgroup_lock:
+        _drain(block=False)
+        folders = _cgroup_pool.pop() if _cgroup_pool else None
+    try:
+        if folders is None:
+            folders = []
+            name = f"{_RUN_DIR_PREFIX}{os.getpid()}-cg{next(_cgroup_count)}"
+            for _, parent in _cgroup_parent_folders():
+                os.mkdir(os.path.join(parent, name))
+                folders.append(os.path.join(parent, name))
+        _set_cgroup_limits(folders, memory_mb, max_procs)
+    except OSError as e:
+        log.warning("sandbox cgroups unavailable (%s): per-process limits only", e)
+        _remove_cgroups(folders or [])
+        return []
+    return folders
+
+
+def _set_cgroup_limits(folders: list[str], memory_mb: int, max_procs: int) -> None:
+    memory = str(memory_mb * 1024 * 1024)
+    for folder in folders:
+        if os.path.exists(os.path.join(folder, "memory.max")):  # v2
+            _write(os.path.join(folder, "memory.max"), memory)
+            _write(os.path.join(folder, "memory.swap.max"), "0")
+        elif os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):  # v1
+            swap = os.path.join(folder, "memory.memsw.limit_in_bytes")
+            if os.path.exists(swap):  # memsw >= limit at all times: lower it in the right order
+                with contextlib.suppress(OSError):
+                    _write(swap, memory)
+                _write(os.path.join(folder, "memory.limit_in_bytes"), memory)
+                _write(swap, memory)
+            else:
+                _write(os.path.join(folder, "memory.limit_in_bytes"), memory)
+        if os.path.exists(os.path.join(folder, "pids.max")):
+            _write(os.path.join(folder, "pids.max"), str(max_procs))
+
+
+def _tasks_in(folder: str) -> list[int]:
+    try:
+        with open(os.path.join(folder, "cgroup.procs")) as f:
+            return [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _busy(folder: str) -> bool:
+    """Tasks in the cgroup, or charged to its pids counter (a zombie stays charged until it is
+    reaped, which the host's init may take seconds to do): not reusable yet."""
+    if _tasks_in(folder):
+        return True
+    try:
+        with open(os.path.join(folder, "pids.current")) as f:
+            return int(f.read()) > 0
+    except (OSError, ValueError):
+        return False
+
+
+def _give_back_cgroups(folders: list[str]) -> None:
+    """Kill what is left in a run's cgroups (daemons, stragglers); keep them for the next run
+    once empty."""
+    if not folders:
+        return
+    for folder in folders:
+        for pid in _tasks_in(folder):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    with _cgroup_lock:
+        if any(_busy(f) for f in folders):
+            _cgroup_draining.append(folders)
+        else:
+            _cgroup_pool.append(folders)
+
+
+def _drain(block: bool) -> None:
+    """Back to the pool: the draining cgroups that are empty by now (``block``: remove them
+    all, waiting for their tasks to exit)."""
+    for folders in list(_cgroup_draining):
+        if block:
+            _remove_cgroups(folders)
+        elif any(_busy(f) for f in folders):
+            continue
+        else:
+            _cgroup_pool.append(folders)
+        _cgroup_draining.remove(folders)
+
+
+@atexit.register
+def _remove_own_cgroups() -> None:
+    with _cgroup_lock:
+        _drain(block=True)
+        while _cgroup_pool:
+            _remove_cgroups(_cgroup_pool.pop())
+
+
+def _remove_cgroups(folders: list[str]) -> None:
+    """Kill what is left in ``folders`` (daemons, stragglers) and remove them."""
+    for folder in reversed(folders):
+        for _ in range(200):  # a killed task leaves its cgroup as it exits: milliseconds
+            with contextlib.suppress(OSError), open(os.path.join(folder, "cgroup.procs")) as f:
+                for pid in f.read().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.005)
 
 
 def _signal_name(number: int) -> str:
@@ -360,7 +730,31 @@ def _execute(
     max_procs: int,
     max_file_mb: int,
     scratch_mb: int,
+    mode: str = "run",
+    peer_fds: tuple[int, ...] = (),
+    proxies: tuple[str, ...] = (),
 ) -> ExecResult:
+    """One sandboxed run. ``mode`` "run": the program then ``checks``; "serve": the program,
+    then answers calls read from ``peer_fds`` (requests, answers) until they end; "drive":
+    ``checks`` with each name of ``proxies`` calling a serving sandbox through ``peer_fds``
+    (answers, requests). The peer fds are closed here when the run ends (then its peer reads
+    EOF)."""
+    try:
+        return _execute_once(
+            program, checks, isolation=isolation, python=python, timeout=timeout,
+            memory_mb=memory_mb, max_procs=max_procs, max_file_mb=max_file_mb,
+            scratch_mb=scratch_mb, mode=mode, peer_fds=peer_fds, proxies=proxies,
+        )  # fmt: skip
+    finally:
+        for fd in peer_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _execute_once(
+    program, checks, *, isolation, python, timeout, memory_mb, max_procs, max_file_mb,
+    scratch_mb, mode, peer_fds, proxies,
+) -> ExecResult:  # fmt: skip
     root = _is_root()
     uid = _next_uid() if root else os.getuid()
     # Our uid's other tasks count against RLIMIT_NPROC too when we cannot switch uid.
@@ -368,11 +762,13 @@ def _execute(
         "RLIMIT_CPU": math.ceil(timeout) + 1,
         "RLIMIT_AS": memory_mb * 1024 * 1024,
         "RLIMIT_NPROC": max_procs if root else _tasks_of_uid(uid) + max_procs,
-        "RLIMIT_FSIZE": max_file_mb * 1024 * 1024,
+        # Any one file, memfds included (they live outside the scratch tmpfs).
+        "RLIMIT_FSIZE": min(max_file_mb, scratch_mb) * 1024 * 1024,
         "RLIMIT_CORE": 0,
     }
     nonce = secrets.token_hex(16)
     run_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
+    cgroups = _take_cgroups(memory_mb, max_procs) if root else []
     try:
         code_dir = os.path.join(run_dir, "code")  # read-only for the sandbox
         work_dir = os.path.join(run_dir, "work")  # the fallback's cwd (bwrap uses its tmpfs)
@@ -397,6 +793,9 @@ def _execute(
                     ["call", c.expression] if isinstance(c, Call) else ["check", c] for c in checks
                 ],
                 "max_value_chars": MAX_VALUE_CHARS,
+                "mode": mode,
+                "peer_fds": list(peer_fds),
+                "proxies": list(proxies),
             }
             for name, text in (("launcher.py", _LAUNCHER), ("program.py", program)):
                 with open(os.path.join(code_dir, name), "w", encoding="utf-8") as f:
@@ -406,27 +805,41 @@ def _execute(
                 marshal.dump(spec, f, 2)
             for name in os.listdir(code_dir):
                 os.chmod(os.path.join(code_dir, name), 0o644)
-            if isolation == "bwrap":
-                argv, cwd, home = _bwrap_argv(python, code_dir, scratch_mb), run_dir, "/tmp"
-            else:
-                argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
-                cwd = home = work_dir
             try:
+                if isolation == "bwrap":
+                    argv, cwd, home = _bwrap_argv(python, code_dir, scratch_mb), run_dir, "/tmp"
+                else:
+                    argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
+                    cwd = home = work_dir
+                argv = [*argv, os.path.join(inside, "spec.bin")]
+                if cgroups:  # waits for a first line, by then in its cgroups, then runs argv
+                    argv = ["/bin/sh", "-c", 'read _ && exec "$@"', "sh", *argv]
                 proc = subprocess.Popen(
-                    [*argv, os.path.join(inside, "spec.bin")],
+                    argv,
                     stdin=subprocess.PIPE,
                     stdout=stdout,
                     stderr=stderr,
-                    pass_fds=(result.fileno(),),
+                    pass_fds=(result.fileno(), *peer_fds),
                     cwd=cwd,
                     env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home},
                     start_new_session=True,  # its own process group, killed as a whole
                     **({"user": uid, "group": uid, "extra_groups": []} if root else {}),
                 )
-            except OSError as e:  # e.g. the interpreter is not executable by the sandbox uid
+                try:
+                    for folder in cgroups:
+                        _write(os.path.join(folder, "cgroup.procs"), str(proc.pid))
+                except OSError:
+                    proc.kill()
+                    proc.wait()
+                    raise
+            # e.g. the interpreter is not executable by the sandbox uid, or cannot say where
+            # its runtime lives
+            except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
                 reason = f"could not start the sandbox: {e}"
                 return ExecResult(False, None, False, reason, "", str(e), 0, len(checks))
-        returncode, timed_out = _wait_and_kill(proc, nonce, timeout)
+        returncode, timed_out = _wait_and_kill(proc, ("go\n" if cgroups else "") + nonce, timeout)
+        _give_back_cgroups(cgroups)
+        cgroups = []
         if root and isolation == "fallback":
             _kill_uid(uid)  # daemons that left the process group
         stdout_tail = _tail(os.path.join(run_dir, "stdout"))
@@ -437,6 +850,7 @@ def _execute(
                 line[len(tag) :].rstrip("\n").split(" ", 3) for line in f if line.startswith(tag)
             ]
     finally:
+        _give_back_cgroups(cgroups)
         shutil.rmtree(run_dir, ignore_errors=True)
     return _verdict(stages, len(checks), returncode, timed_out, timeout, stdout_tail, stderr_tail)
 
@@ -444,7 +858,7 @@ def _execute(
 def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stderr_tail):
     """ExecResult from the launcher's nonce-tagged stage lines and the exit status."""
     program_ok = ["program", "1"] in stages
-    values, passed_checks = _stage_values(stages, n_checks)
+    values, passed_checks, refused = _stage_values(stages, n_checks)
     all_checks = len(passed_checks) == n_checks
     done = ["done"] in stages
     passed = program_ok and done and all_checks and returncode == 0 and not timed_out
@@ -475,17 +889,22 @@ def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stde
         checks_total=n_checks,
         values=values,
         passed_indices=frozenset(passed_checks),
+        refused=refused,
     )
 
 
-def _stage_values(stages, n_checks) -> tuple[dict[int, Any], set[int]]:
-    """(index -> value of each Call that returned plain data, indices of checks that passed).
+def _stage_values(stages, n_checks) -> tuple[dict[int, Any], set[int], dict[int, str]]:
+    """(index -> value of each Call that returned plain data, indices of checks that passed,
+    index -> why a reported value was refused).
 
-    The first line of each index counts; a value that does not decode fails its check.
+    Total over whatever the program wrote: the first line of each index counts; an index that
+    is not ASCII digits is ignored; a value that does not decode (malformed, too long, too many
+    items, hash-colliding keys, or decoding past ``DECODE_SECONDS`` for the run) fails its check.
     """
-    values, passed, seen = {}, set(), set()
+    values, passed, seen, refused = {}, set(), set(), {}
+    deadline = time.monotonic() + DECODE_SECONDS
     for stage in stages:
-        if len(stage) < 3 or stage[0] != "check" or not stage[1].isdigit():
+        if len(stage) < 3 or stage[0] != "check" or not _INDEX.fullmatch(stage[1]):
             continue
         index = int(stage[1])
         if index in seen or index >= n_checks:
@@ -494,27 +913,65 @@ def _stage_values(stages, n_checks) -> tuple[dict[int, Any], set[int]]:
         if stage[2] != "1":
             continue
         if len(stage) == 4:
-            try:
-                values[index] = decode_value(stage[3])
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            if time.monotonic() > deadline:
+                refused[index] = f"decoding took over {DECODE_SECONDS:g} s"
+            else:
+                try:
+                    values[index] = decode_value(stage[3])
+                except _DECODE_ERRORS as e:
+                    refused[index] = f"{type(e).__name__}: {str(e)[:120]}"
+            if index in refused:
+                log.info("check %d: value refused (%s)", index, refused[index])
                 continue
         passed.add(index)
-    return values, passed
+    return values, passed, refused
 
 
+_INDEX = re.compile(r"[0-9]{1,9}")  # ASCII only: '²'.isdigit() is True but int('²') raises
+_DECODE_ERRORS = (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, OverflowError)
 _PLAIN_CALLS = {"float": float, "complex": complex, "set": set, "frozenset": frozenset}
 _PLAIN_CONSTANTS = (int, float, str, bytes, bool, type(None))
+MAX_VALUE_ITEMS = 50_000  # nodes of one decoded value (its text is at most MAX_VALUE_CHARS)
+MAX_SAME_HASH = 32  # distinct keys of a set or dict that may share one hash
+DECODE_SECONDS = 2.0  # host time to decode one run's values, whatever the reward timeout
 
 
 def decode_value(text: str) -> Any:
     """The plain value written by the sandbox's encoder (a subset of Python literals), rebuilt
-    without evaluating anything; ValueError for any other text."""
-    if len(text) > MAX_VALUE_CHARS:
+    without evaluating anything; ValueError (or another of ``_DECODE_ERRORS``) for any other
+    text. Its cost is bounded: at most MAX_VALUE_CHARS characters and MAX_VALUE_ITEMS nodes, and
+    sets and dicts are refused when many of their keys share a hash (rebuilding them would take
+    time quadratic in their size)."""
+    if not isinstance(text, str) or len(text) > MAX_VALUE_CHARS:
         raise ValueError("value text too long")
-    return _plain(ast.parse(text, mode="eval").body)
+    return _plain(ast.parse(text, mode="eval").body, [MAX_VALUE_ITEMS])
 
 
-def _plain(node: ast.AST) -> Any:
+def check_hashes(keys: Sequence) -> None:
+    """ValueError when more than MAX_SAME_HASH distinct ``keys`` share one hash (a set or dict
+    of them would cost time quadratic in their number); TypeError for an unhashable key.
+    Hashes of str and bytes are salted per process, those of numbers and tuples are not."""
+    hashed = sorted((hash(k), i) for i, k in enumerate(keys))
+    start = 0
+    for end in range(1, len(hashed) + 1):
+        if end < len(hashed) and hashed[end][0] == hashed[start][0]:
+            continue
+        if end - start > MAX_SAME_HASH:
+            distinct = {_key_text(keys[i]) for _, i in hashed[start:end]}
+            if len(distinct) > MAX_SAME_HASH:
+                raise ValueError(f"{len(distinct)} distinct keys share one hash")
+        start = end
+
+
+def _key_text(key) -> str:
+    # Equal plain keys of one type have one repr (1 and 1.0 share a hash but differ: fine).
+    return f"{type(key).__name__}:{key!r}"
+
+
+def _plain(node: ast.AST, budget: list[int]) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"value with more than {MAX_VALUE_ITEMS} items")
     if isinstance(node, ast.Constant) and type(node.value) in _PLAIN_CONSTANTS:
         return node.value
     if (
@@ -525,25 +982,29 @@ def _plain(node: ast.AST) -> Any:
     ):
         return -node.operand.value
     if isinstance(node, ast.List | ast.Tuple):
-        items = [_plain(e) for e in node.elts]
+        items = [_plain(e, budget) for e in node.elts]
         return items if isinstance(node, ast.List) else tuple(items)
     if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
-        return {_plain(k): _plain(v) for k, v in zip(node.keys, node.values, strict=True)}
+        keys = [_plain(k, budget) for k in node.keys]
+        check_hashes(keys)
+        return dict(zip(keys, [_plain(v, budget) for v in node.values], strict=True))
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in _PLAIN_CALLS
         and not node.keywords
     ):
-        args = [_plain(a) for a in node.args]
+        args = [_plain(a, budget) for a in node.args]
         if node.func.id == "float" and args not in (["inf"], ["-inf"], ["nan"]):
             raise ValueError("float() of something other than inf or nan")
         if node.func.id == "complex" and any(type(a) is not float for a in args):
             raise ValueError("complex() of something other than two floats")
-        if node.func.id in ("set", "frozenset") and (len(args) != 1 or type(args[0]) is not list):
-            raise ValueError(f"{node.func.id}() of something other than a list")
+        if node.func.id in ("set", "frozenset"):
+            if len(args) != 1 or type(args[0]) is not list:
+                raise ValueError(f"{node.func.id}() of something other than a list")
+            check_hashes(args[0])
         return _PLAIN_CALLS[node.func.id](*args)
-    raise ValueError(f"not plain data: {ast.dump(node)[:80]}")
+    raise ValueError(f"not plain data: a {type(node).__name__} node")
 
 
 def _interpreter(isolation: str) -> str | None:
@@ -626,7 +1087,7 @@ def isolation_available() -> str:
 
 def run_python(
     code: str,
-    checks: Sequence[str | Call] = (),
+    checks: Sequence[str | Call] | SeparateChecks = (),
     *,
     timeout: float = 10.0,
     memory_mb: int = 1024,
@@ -637,12 +1098,15 @@ def run_python(
 ) -> ExecResult:
     """Run the Python program ``code``, then each of ``checks`` in its namespace: a string is
     run as statements (it passes when nothing raises), a ``Call`` is evaluated and its value
-    returned in ``ExecResult.values``.
+    returned in ``ExecResult.values``. ``checks`` may instead be ``SeparateChecks``: they run in
+    a second sandbox and reach the program's functions only through a pipe.
 
-    Limits: ``timeout`` wall seconds (CPU time ``ceil(timeout) + 1``), ``memory_mb`` address
-    space, ``max_procs`` tasks of the sandbox uid (processes and threads, bwrap's own two
-    included), ``max_file_mb`` per file written (stdout/stderr included), ``scratch_mb`` for the
-    writable ``/tmp`` and ``/dev/shm`` (bwrap only). ``isolation``: None (bubblewrap when it
+    Limits: ``timeout`` wall seconds (CPU time ``ceil(timeout) + 1``), ``memory_mb`` for the
+    whole sandbox with cgroups (and address space per process), ``max_procs`` tasks of the
+    sandbox (processes and threads, bwrap's own two included), ``min(max_file_mb, scratch_mb)``
+    per file written (stdout/stderr and memfds included), ``scratch_mb`` for the writable
+    ``/tmp`` and ``/dev/shm`` (bwrap only). ``SeparateChecks`` run under the same limits, in a
+    sandbox of their own. ``isolation``: None (bubblewrap when it
     works, else ``SandboxUnavailable`` unless unsafe execution was asked for), ``"bwrap"``, or
     ``"fallback"`` (asking for the unsafe plain subprocess explicitly).
     """
@@ -650,7 +1114,11 @@ def run_python(
         raise ValueError("timeout, memory_mb, max_procs, max_file_mb and scratch_mb must be > 0")
     if isolation is not None and isolation not in _ISOLATIONS:
         raise ValueError(f"isolation must be one of {_ISOLATIONS} or None, got {isolation!r}")
-    if not isinstance(code, str) or any(
+    if isinstance(checks, SeparateChecks):
+        parts = [checks.program, *checks.checks, *checks.proxies]
+        if not all(isinstance(p, str) for p in parts):
+            raise ValueError("SeparateChecks holds strings only")
+    elif not isinstance(code, str) or any(
         not isinstance(c, str) and not (isinstance(c, Call) and isinstance(c.expression, str))
         for c in checks
     ):
@@ -661,16 +1129,43 @@ def run_python(
         raise SandboxUnavailable(
             refusal_message(_probe_failures.get(chosen) or f"isolation {chosen!r} does not work")
         )
-    return _execute(
-        code,
-        checks,
-        isolation=chosen,
-        python=python,
-        timeout=timeout,
-        memory_mb=memory_mb,
-        max_procs=max_procs,
-        max_file_mb=max_file_mb,
-        scratch_mb=scratch_mb,
+    options = dict(isolation=chosen, python=python, timeout=timeout, memory_mb=memory_mb)
+    options.update(max_procs=max_procs, max_file_mb=max_file_mb, scratch_mb=scratch_mb)
+    if isinstance(checks, SeparateChecks):
+        return _execute_apart(code, checks, options)
+    return _execute(code, checks, **options)
+
+
+def _execute_apart(code: str, separate: SeparateChecks, options: dict) -> ExecResult:
+    """The program in one sandbox serving calls, ``separate.checks`` in another calling it."""
+    requests_out, requests_in = os.pipe()
+    answers_out, answers_in = os.pipe()
+    served: list[ExecResult] = []
+    server = threading.Thread(
+        target=lambda: served.append(
+            _execute(code, (), mode="serve", peer_fds=(requests_out, answers_in), **options)
+        )
+    )
+    server.start()
+    try:
+        checked = _execute(
+            separate.program,
+            separate.checks,
+            mode="drive",
+            peer_fds=(answers_out, requests_in),
+            proxies=separate.proxies,
+            **options,
+        )
+    finally:
+        server.join()
+    program = served[0]
+    both = checked.passed and program.passed
+    reason = checked.reason if not checked.passed else program.reason
+    if not program.passed and program.reason.startswith("program failed"):
+        reason = program.reason
+    stderr = (program.stderr_tail + checked.stderr_tail)[-TAIL_BYTES:]
+    return replace(
+        checked, passed=both, reason=reason, stdout_tail=program.stdout_tail, stderr_tail=stderr
     )
 
 
@@ -679,6 +1174,11 @@ def remove_stale_run_dirs() -> int:
     deadline cannot clean up after itself); returns how many."""
     root, removed = tempfile.gettempdir(), 0
     pattern = re.compile(re.escape(_RUN_DIR_PREFIX) + r"(\d+)-\w+")
+    if _is_root() and _USE_CGROUPS:  # the cgroups such a worker left (empty: killed with it)
+        for _, parent in _cgroup_parent_folders():
+            matches = [pattern.fullmatch(n) for n in _listdir(parent)]
+            stale = [m.group(0) for m in matches if m and not _alive(int(m.group(1)))]
+            _remove_cgroups([os.path.join(parent, n) for n in stale])
     for name in os.listdir(root):
         match = pattern.fullmatch(name)
         if match is None or _alive(int(match.group(1))):
@@ -719,7 +1219,8 @@ def run_many(
         checks = [()] * len(codes)
     if len(checks) != len(codes):
         raise ValueError(f"{len(codes)} programs but {len(checks)} lists of checks")
-    jobs = list(zip(codes, (tuple(c) for c in checks), strict=True))
+    as_key = lambda c: c if isinstance(c, SeparateChecks) else tuple(c)  # noqa: E731
+    jobs = list(zip(codes, (as_key(c) for c in checks), strict=True))
     unique = list(dict.fromkeys(jobs))
     if not unique:
         return []
