@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daca.train.pretrain import PretrainConfig, pretrain
+from daca.train.pretrain_config import PretrainConfig
 
 
 def add_arguments(p) -> None:
@@ -35,6 +35,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from daca.train.pretrain import pretrain
+
     cfg = PretrainConfig(
         task=args.task,
         out=args.out,
