@@ -17,7 +17,8 @@ from daca.tasks.sandbox import ExecResult, isolation_available, run_many, run_py
 ROOT = os.geteuid() == 0
 # Both isolations as root (the fallback's file and signal protection relies on a separate uid).
 ISOLATIONS = [pytest.param("bwrap", id="bwrap"), pytest.param("fallback", id="fallback")]
-FAST = {"timeout": 2.0, "memory_mb": 256, "max_procs": 16, "max_file_mb": 1, "scratch_mb": 4}
+# timeout: a ceiling for programs that end by themselves (a hang sets its own, shorter one).
+FAST = {"timeout": 30.0, "memory_mb": 256, "max_procs": 16, "max_file_mb": 1, "scratch_mb": 4}
 
 
 def _default_isolation():
