@@ -119,11 +119,13 @@ def test_unwritable_output_folder_is_found_before_the_model_loads(tiny_model_dir
     cfg = _cfg(tiny_model_dir, out, "r")
     with pytest.raises(InputError, match=r"cannot write to the output folder .*a-file/runs/r"):
         Trainer(cfg, progress=False)
-    # Through the CLI, with a model that does not exist: the folder is what gets reported.
-    code = main(["train", *_args("/no/such/model", out, "r"), "--no-progress"])
+    # Through the CLI: its pre-flight check names the key, before the trainer starts.
+    code = main(["train", *_args(tiny_model_dir, out, "r"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert re.search(r"error: cannot write to the output folder .*a-file/runs/r .*output_dir=", err)
+    assert re.search(r"config error: output_dir=.*a-file/runs: .*a-file is a file", err), err
+    code = main(["train", *_args("/no/such/model", out, "r"), "--no-progress"])
+    assert code == 2 and "model=/no/such/model: no such folder" in capsys.readouterr().err
 
 
 def test_full_disk_at_a_checkpoint_keeps_the_previous_one(
@@ -313,7 +315,7 @@ def _flatten(doc: dict, prefix: str = "") -> list[str]:
             '{"input": "1,2", "output": "3"}\n{oops\n',
             r"bad.jsonl, line 2",
         ),
-        ("sudoku", None, "", r"data_file=.*missing.csv.*No such file"),
+        ("sudoku", None, "", r"config error: data_file=.*missing.csv: no such file"),
     ],
     ids=["sudoku-csv-line", "countdown-jsonl-line", "missing-file"],
 )
@@ -327,7 +329,8 @@ def test_malformed_data_is_reported_by_the_cli(
     assert main(["train", *args, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.startswith("error: cannot read data_file="), err
+    # A missing file: the CLI's pre-flight; a malformed one: the trainer, before the model.
+    assert err.startswith(("error: cannot read data_file=", "config error: data_file=")), err
     assert re.search(message, err), err
 
 

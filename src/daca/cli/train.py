@@ -39,14 +39,10 @@ def run(args) -> int:
         if args.resume:
             # The run folder is where it is, whatever the saved config says.
             cfg.output_dir, cfg.name = str(Path(args.resume).parent), Path(args.resume).name
-    except ConfigError as e:
+        check_inputs(cfg, dry_run=args.dry_run)
+    except (ConfigError, preflight.UsageError) as e:  # the values of the file or overrides
         where = f" in {config_path}" if config_path else ""
         print(f"config error{where}: {e}", file=sys.stderr)
-        return 2
-    try:
-        check_inputs(cfg, dry_run=args.dry_run)
-    except preflight.UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_rank = cfg.per_device_train_batch_size // cfg.num_generations
