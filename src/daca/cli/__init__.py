@@ -1,4 +1,9 @@
-"""The ``daca`` command line. Each subcommand lives in a module and registers here."""
+"""The ``daca`` command line. Each subcommand lives in a module and registers here.
+
+Every command module is imported to build the parser, so its top level imports only light
+modules (the configuration, argparse, the pre-flight checks); torch, transformers and the
+trainer are imported inside its ``run``. ``daca --help`` thus costs ~0.2 s of CPU, not 9 s
+(tests/test_cli_help.py)."""
 
 from __future__ import annotations
 

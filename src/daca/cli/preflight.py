@@ -112,7 +112,8 @@ def load_rows(
         where = _named(flag, path) if path else f"{_named(task_flag, task.name)} ({split} split)"
         raise UsageError(f"{where}: {e}") from None
     if not rows:
-        raise UsageError(f"{_named(flag, path)}: holds no {task.name} examples")
+        where = _named(flag, path) if path else f"{_named(task_flag, task.name)} ({split} split)"
+        raise UsageError(f"{where}: no {task.name} examples")
     return rows
 
 
