@@ -58,7 +58,7 @@ def ranks(tiny_model_dir, tmp_path_factory):
     for i, run in enumerate(RUNS):
         args += (["::"] if i else []) + [f"model={tiny_model_dir}", f"output_dir={out}"]
         args += COMMON + run
-    code, log = launch_two(WORKER, [str(out), *args], timeout=240)
+    code, log = launch_two(WORKER, [str(out), *args], timeout=600)
     assert code == 0, log[-4000:]
     return [
         [torch.load(out / f"run{i}_rank{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -66,7 +66,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     config = fsdp_cpu_config(out)
     common = ["train", "--no-progress", f"model={tiny_model_dir}", f"output_dir={out}", *OVERRIDES]
-    code, log = launch_two(WORKER, [*common, "name=straight"], timeout=240, env=ENV, config=config)
+    code, log = launch_two(WORKER, [*common, "name=straight"], timeout=600, env=ENV, config=config)
     assert code == 0, log[-4000:]
 
     killed = out / "killed"
@@ -74,19 +74,19 @@ def runs(tiny_model_dir, tmp_path_factory):
     proc = start_two(WORKER, [*common, "name=killed"], config=config, env=env, bufsize=1)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-    seen, deadline = [], time.monotonic() + 240
+    seen, deadline = [], time.monotonic() + 600
     while "PHASE update 2" not in "".join(seen):  # the third step's update: step-2 is on disk
         assert proc.poll() is None and time.monotonic() < deadline, "".join(seen)[-4000:]
         with contextlib.suppress(queue.Empty):
             seen.append(lines.get(timeout=1))
     time.sleep(0.2)  # inside the update (each loss is followed by a 0.3 s pause)
     kill_all(proc)
-    proc.wait(timeout=30)
+    proc.wait(timeout=120)
     time.sleep(1)  # a rank left running would write step 3 meanwhile
     assert not (killed / "checkpoints" / "step-0000003").exists()
 
     code, log = launch_two(
-        WORKER, ["train", "--resume", str(killed), "--no-progress"], timeout=240, config=config
+        WORKER, ["train", "--resume", str(killed), "--no-progress"], timeout=600, config=config
     )
     assert code == 0, log[-4000:]
     assert f"resuming {killed} from step 2" in log, log[-4000:]

@@ -1,6 +1,7 @@
 """``daca eval`` and ``daca sample`` on a tiny model and the public file formats."""
 
 import json
+import os
 
 import torch
 
@@ -119,6 +120,14 @@ def test_a_training_checkpoint_is_a_model_eval_accepts(tiny_model_dir, tmp_path,
                  "--out", str(out)])  # fmt: skip
     assert code == 0 and len(out.read_text().splitlines()) == 3
     assert "L=16, steps=4, block=8" in capsys.readouterr().out
+    # `daca export` of that run: every file it writes, the weights too, follows the umask.
+    umask = os.umask(0o027)
+    try:
+        assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "exported")]) == 0
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "exported").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes
 
 
 def test_eval_of_a_folder_that_is_no_model_is_one_line(tmp_path, capsys):

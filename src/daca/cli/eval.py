@@ -12,8 +12,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-import torch
-
+from daca.cli import preflight
 from daca.train.config import REWARD_TIMEOUT, GenerationConfig
 
 
@@ -46,7 +45,7 @@ def add_generation_arguments(p) -> None:
         help="commit every masked block position more confident than this (e.g. 0.9)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", help="default: cuda when a GPU is available, else cpu")
 
 
 def _generation(args, bundle) -> GenerationConfig:
@@ -88,14 +87,36 @@ def add_arguments(p) -> None:
     p.add_argument("--out", help="JSONL file of (prompt, completion, score); default beside cwd")
 
 
-def model_task_and_generation(args):
-    from daca.models.loading import load, tiny_for_task
-    from daca.tasks import get_task
+def checked_task_and_rows(args, limit: int | None):
+    """The task and its rows, with every flag that can be wrong checked before the model
+    loads (each failure: one line naming the flag, exit 2)."""
+    task = preflight.check_task(args.task)
+    preflight.check_model(args.model)
+    preflight.check_model_does_task(args.model, task)
+    rows = preflight.load_rows(
+        task,
+        split=args.split,
+        path=args.data_file,
+        limit=limit,
+        seed=args.seed,
+        flag="--data-file",
+        task_flag="--task",
+    )
+    preflight.check_sandbox(task)
+    return task, rows
 
+
+def model_and_generation(args):
+    """The model on ``args.device`` (resolved here: the default probes CUDA) and the
+    generation settings."""
+    import torch
+
+    from daca.models.loading import load, tiny_for_task
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if str(args.device).startswith("cuda") else None
     bundle = load(tiny_for_task(args.model, args.task), device=args.device, dtype=dtype)
-    task = get_task(args.task)
-    return bundle, task, _generation(args, bundle)
+    return bundle, _generation(args, bundle)
 
 
 def errors_as_messages(run):
@@ -107,7 +128,7 @@ def errors_as_messages(run):
 
         try:
             return run(args)
-        except (OSError, ValueError, SandboxUnavailable) as e:
+        except (preflight.UsageError, OSError, ValueError, SandboxUnavailable) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
@@ -116,13 +137,14 @@ def errors_as_messages(run):
 
 @errors_as_messages
 def run(args) -> int:
+    import torch
+
     from daca.train.evaluation import evaluate
 
-    bundle, task, gen = model_task_and_generation(args)
-    rows = task.load(split=args.split, path=args.data_file, limit=args.limit, seed=args.seed)
-    if not rows:
-        print(f"error: no {args.task} examples to evaluate", file=sys.stderr)
-        return 2
+    out = Path(args.out or f"eval-{args.task}.jsonl")
+    preflight.check_output_file(str(out))
+    task, rows = checked_task_and_rows(args, args.limit)
+    bundle, gen = model_and_generation(args)
     gen_rng = torch.Generator(device=args.device).manual_seed(args.seed)
     res = evaluate(
         bundle,
@@ -135,7 +157,6 @@ def run(args) -> int:
         progress=True,
         reward_timeout=args.reward_timeout,
     )
-    out = Path(args.out or f"eval-{args.task}.jsonl")
     with out.open("w") as fh:
         for p, c, s in zip(res.prompts, res.completions, res.scores, strict=True):
             fh.write(json.dumps({"prompt": p, "completion": c, "score": s}) + "\n")

@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from daca.train.checkpointing import list_checkpoints
-
 
 def checkpoint_model(run_dir, step: int | None = None) -> Path:
     """The ``model/`` folder of the run's checkpoint at ``step`` (default: the latest)."""
+    from daca.train.checkpointing import list_checkpoints
+
     found = list_checkpoints(Path(run_dir))
     if not found:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from daca.train.interrupts import Interrupted
-from daca.train.pretrain import PretrainConfig, pretrain
+from daca.train.pretrain_config import PretrainConfig
 
 
 def add_arguments(p) -> None:
@@ -38,6 +37,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from daca.train.interrupts import Interrupted
+    from daca.train.pretrain import pretrain
+
     cfg = PretrainConfig(
         task=args.task,
         out=args.out,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
-from daca.cli.eval import add_generation_arguments, errors_as_messages, model_task_and_generation
+from daca.cli.eval import (
+    add_generation_arguments,
+    checked_task_and_rows,
+    errors_as_messages,
+    model_and_generation,
+)
 
 
 def add_arguments(p) -> None:
@@ -14,10 +17,12 @@ def add_arguments(p) -> None:
 
 @errors_as_messages
 def run(args) -> int:
+    import torch
+
     from daca.train.evaluation import evaluate
 
-    bundle, task, gen = model_task_and_generation(args)
-    rows = task.load(split=args.split, path=args.data_file, limit=args.n, seed=args.seed)
+    task, rows = checked_task_and_rows(args, args.n)
+    bundle, gen = model_and_generation(args)
     gen_rng = torch.Generator(device=args.device).manual_seed(args.seed)
     res = evaluate(bundle, task, rows, gen, temperature=args.temperature, generator=gen_rng)
     for row, prompt, completion, score in zip(

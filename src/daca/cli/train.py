@@ -10,6 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from daca.cli import preflight
 from daca.train.config import ConfigError, describe, load_config
 
 
@@ -39,7 +40,8 @@ def run(args) -> int:
         if args.resume:
             # The run folder is where it is, whatever the saved config says.
             cfg.output_dir, cfg.name = str(Path(args.resume).parent), Path(args.resume).name
-    except ConfigError as e:
+        check_inputs(cfg, dry_run=args.dry_run)
+    except (ConfigError, preflight.UsageError) as e:  # the values of the file or overrides
         where = f" in {config_path}" if config_path else ""
         print(f"config error{where}: {e}", file=sys.stderr)
         return 2
@@ -94,6 +96,20 @@ def run(args) -> int:
         f"outputs in {summary['run_dir']}"
     )
     return 0
+
+
+def check_inputs(cfg, *, dry_run: bool) -> None:
+    """The config's task, model, files, output folder and sandbox, checked before anything
+    loads or is written: a ``UsageError`` naming the key. A dry run checks what it names, not
+    the machine (the sandbox, a hub model in the offline cache): it may plan another's run."""
+    task = preflight.check_task(cfg.task, "task=")
+    preflight.check_model(cfg.model, "model=", offline_cache=not dry_run)
+    preflight.check_model_does_task(cfg.model, task, "model=")
+    preflight.check_data_file(cfg.data_file, "data_file=")
+    preflight.check_data_file(cfg.eval_file, "eval_file=")
+    preflight.check_output_folder(cfg.output_dir, "output_dir=")
+    if cfg.sandbox != "unsafe" and not dry_run:
+        preflight.check_sandbox(task, "task=")
 
 
 def _on_main_process(line: str) -> None:

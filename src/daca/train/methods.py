@@ -12,11 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from torch import Tensor
-
-from daca.core import likelihood, objectives
-
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from daca.train.config import TrainConfig
 
 
@@ -53,8 +51,12 @@ class BaseMethod:
 
 
 # ----------------------------------------------------------------- estimators
+# Each callable imports the core (torch) when called: the configuration and `daca --help` read
+# the registry's names and numbers without importing torch.
 def _mean_field(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
     """d1's ℓ^MF with the config's prompt masking (Diffu-GRPO, wd1)."""
+    from daca.core import likelihood
+
     return likelihood.mean_field_logp(
         model,
         batch.prompt_ids,
@@ -68,6 +70,8 @@ def _mean_field(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tens
 
 def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
     """GDPO's quadrature ELBO token terms, masking among the real completion tokens only."""
+    from daca.core import likelihood
+
     return likelihood.elbo_token_terms(
         model,
         batch.prompt_ids,
@@ -82,6 +86,8 @@ def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
 
 def _coupled(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
     """coupled-GRPO's ℓ^C with one complementary pair (DiffuCoder's λ = 1; prompt unmasked)."""
+    from daca.core import likelihood
+
     return likelihood.coupled_logp(
         model,
         batch.prompt_ids,
@@ -94,6 +100,8 @@ def _coupled(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
 
 # ----------------------------------------------------------------- losses
 def _wd1_loss(cfg: TrainConfig, logp, *, advantages, completion_mask, token_multipliers, **rest):
+    from daca.core import objectives
+
     return objectives.wd1_loss(
         logp,
         advantages,
@@ -122,14 +130,20 @@ def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
 
 # The objectives are looked up when called (tests replace them with spies).
 def _diffu_grpo_loss(cfg: TrainConfig, logp, **kw):
+    from daca.core import objectives
+
     return _ratio_loss(objectives.diffu_grpo_loss, "ref_logp", cfg, logp, **kw)
 
 
 def _gdpo_loss(cfg: TrainConfig, logp, **kw):
+    from daca.core import objectives
+
     return _ratio_loss(objectives.gdpo_loss, "ref_token_terms", cfg, logp, **kw)
 
 
 def _coupled_grpo_loss(cfg: TrainConfig, logp, **kw):
+    from daca.core import objectives
+
     return _ratio_loss(objectives.coupled_grpo_loss, "ref_logp", cfg, logp, **kw)
 
 
@@ -140,6 +154,8 @@ def _one_view(cfg: TrainConfig) -> tuple[int, float]:
 
 def _quadrature_views(cfg: TrainConfig) -> tuple[int, float]:
     """One view per node; node t masks t·L positions and the nodes' t sum to n / 2."""
+    from daca.core import likelihood
+
     nodes = len(likelihood.quadrature_nodes(cfg.quadrature)[0])
     return nodes, nodes / 2
 

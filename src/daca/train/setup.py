@@ -11,6 +11,7 @@ import torch
 from daca.models.loading import LoadedModel, ModelFolderError, load
 from daca.models.prompts import fit_prompts, prompt_texts, prompt_token_ids
 from daca.tasks import sandbox
+from daca.tasks.formats import DataUnavailable
 from daca.train.checkpointing import write_text_atomically, yaml_text
 from daca.train.config import to_dict
 from daca.train.errors import InputError
@@ -63,6 +64,9 @@ class SetupSteps:
         """The task's rows; a bad file is an InputError naming it (the loaders name the line)."""
         try:
             rows = self.task.load(split=split, path=path, limit=limit, seed=self.cfg.seed)
+        except DataUnavailable as e:
+            key = "data_file" if split == "train" else "eval_file"
+            raise InputError(f"{self._source(split)}: {e.reason}; set {key}=FILE") from None
         except (ValueError, OSError, KeyError) as e:
             raise InputError(f"cannot read {self._source(split)}: {e}") from None
         if not rows:
