@@ -66,7 +66,8 @@ def test_the_trace_text_names_row_column_digit_and_rule():
     steps = sudoku_trace.deduce(PUZZLE)
     assert [s.text for s in steps] == ["r1c2=2n", "r2c3=1n", "r3c2=1n", "r4c1=4n"]
     completion = sudoku_trace.reference_completion({"puzzle": PUZZLE, "solution": SOLUTION})
-    assert completion.startswith("<reasoning>\nr1c2=2n r2c3=1n r3c2=1n r4c1=4n\n</reasoning>")
+    reasoning = "r1c2=2n r2c3=1n r3c2=1n r4c1=4n".ljust(sudoku_trace.TRACE_WIDTH)
+    assert completion.startswith(f"<reasoning>\n{reasoning}\n</reasoning>")
     assert completion.endswith(f"<answer>\n{SOLUTION}\n</answer>")
 
 
@@ -174,8 +175,8 @@ def test_the_tiny_tokenizer_keeps_tags_whole_and_round_trips():
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert tok.unk_token_id not in ids
     assert ids[0] == tok.convert_tokens_to_ids("<reasoning>")
-    # 4 tags, 5 newlines, 4 steps of 7 characters and 3 spaces, 16 digits
-    assert len(ids) == 4 + 5 + 4 * 7 + 3 + 16
+    # 4 tags, 5 newlines, the reasoning's fixed width, 16 digits
+    assert len(ids) == 4 + 5 + sudoku_trace.TRACE_WIDTH + 16
     # without extra words the tokenizer is the shipped models' one, unchanged
     plain = build_tokenizer()
     assert len(plain) == 4 + 19

@@ -105,9 +105,16 @@ def trace_solves(puzzle: str) -> bool:
     return len(deduce(puzzle)) == puzzle.count("0")
 
 
+# The reasoning of ``reference_completion`` is padded with spaces to this many characters
+# (10 steps, the generator's most blanks), so that the answer starts at the same position
+# whatever the number of steps: a tiny model then copies the givens at a fixed offset.
+TRACE_WIDTH = 10 * 8 - 1
+
+
 def reference_completion(row: dict[str, Any]) -> str:
-    """The solver's completion for ``row``: its trace, then the solution (pretraining target)."""
-    trace = " ".join(step.text for step in deduce(row["puzzle"]))
+    """The solver's completion for ``row``: its trace (padded to ``TRACE_WIDTH``), then the
+    solution (pretraining target)."""
+    trace = " ".join(step.text for step in deduce(row["puzzle"])).ljust(TRACE_WIDTH)
     return f"<reasoning>\n{trace}\n</reasoning>\n<answer>\n{row['solution']}\n</answer>"
 
 
