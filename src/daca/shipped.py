@@ -14,8 +14,17 @@ TINY_PATH = Path(__file__).resolve().parent / "assets" / "tiny"
 SHIPPED = {"tiny": TINY_PATH, "tiny-countdown": TINY_PATH.parent / "tiny-countdown"}
 
 
+# Tasks whose tiny model is not shipped yet (``daca pretrain --task T`` makes one).
+NOT_SHIPPED = ("sudoku-trace", "countdown-trace")
+
+
 def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
     """``"tiny"`` means the shipped model of the task: Countdown has its own."""
-    if name_or_path in (None, "", "tiny") and task.startswith("countdown"):
-        return "tiny-countdown"
-    return name_or_path
+    if name_or_path not in (None, "", "tiny"):
+        return name_or_path
+    if task in NOT_SHIPPED:
+        raise ValueError(
+            f"no tiny model is shipped for task {task!r} yet: make one with "
+            f"`daca pretrain --task {task} --out DIR` and pass it as the model"
+        )
+    return "tiny-countdown" if task.startswith("countdown") else name_or_path

@@ -6,11 +6,16 @@ import sys
 
 from daca.train.pretrain_config import PretrainConfig
 
+# Tasks with a compact prompt for the tiny model ("mix" is sudoku and countdown together).
+PRETRAIN_TASKS = ("sudoku", "countdown", "countdown-public", "sudoku-trace", "countdown-trace")
+
 
 def add_arguments(p) -> None:
     d = PretrainConfig()
     p.add_argument(
-        "--task", choices=["sudoku", "countdown", "countdown-public", "mix"], default=d.task
+        "--task",
+        choices=[*PRETRAIN_TASKS, "mix"],
+        default=d.task,
     )
     p.add_argument("--out", default=d.out, help="output model folder")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -34,6 +39,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
     p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--gen-length", type=int, default=d.gen_length, help="completion tokens L")
+    p.add_argument("--steps", type=int, default=d.steps, help="denoising steps (paper: L/2)")
+    p.add_argument("--block-length", type=int, default=d.block_length)
 
 
 def run(args) -> int:
@@ -57,6 +65,9 @@ def run(args) -> int:
         also_eval=tuple(args.also_eval),
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
+        gen_length=args.gen_length,
+        steps=args.steps,
+        block_length=args.block_length,
     )
     try:
         pretrain(cfg)

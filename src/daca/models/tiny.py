@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -28,11 +29,17 @@ ALPHABET = "0123456789+-*/()=,:"
 SPECIAL_TOKENS = ("[PAD]", "[MASK]", "[EOS]", "[UNK]")
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character of ``ALPHABET``, plus pad, mask, end-of-sequence and unknown."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(ALPHABET))}
+def build_tokenizer(words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """One token per character of ``ALPHABET``, plus pad, mask, end-of-sequence and unknown,
+    plus one per entry of ``words`` (a task's ``compact_vocabulary``: more characters, and
+    whole words such as ``<answer>`` that are read as one token, never split)."""
+    extra = tuple(dict.fromkeys(w for w in words if w not in ALPHABET))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(ALPHABET) + extra)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    whole = sorted((w for w in extra if len(w) > 1), key=len, reverse=True)
+    # [\s\S]: any character, a newline included (Oniguruma's "." stops at one)
+    pattern = "|".join([*(re.escape(w) for w in whole), r"[\s\S]"]) if extra else "."
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -118,10 +125,12 @@ def new_tiny(
     intermediate_size: int = 256,
     max_positions: int = 128,
     seed: int = 0,
+    words: tuple[str, ...] = (),
 ):
-    """A fresh tiny LLaDA and its tokenizer; the seed fixes the weights without touching the
-    global RNG. ``max_positions`` bounds prompt + completion (``prompt_limit``)."""
-    tokenizer = build_tokenizer()
+    """A fresh tiny LLaDA and its tokenizer (``build_tokenizer(words)``); the seed fixes the
+    weights without touching the global RNG. ``max_positions`` bounds prompt + completion
+    (``prompt_limit``)."""
+    tokenizer = build_tokenizer(words)
     hub = tiny_llada_config(
         tokenizer,
         hidden_size=hidden_size,

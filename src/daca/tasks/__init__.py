@@ -21,6 +21,8 @@ _REGISTRY: dict[str, str | Callable[[], Task]] = {
     "sudoku": "daca.tasks.sudoku:make_task",
     "countdown": "daca.tasks.countdown:make_task",
     "countdown-public": "daca.tasks.countdown:make_public_task",
+    "sudoku-trace": "daca.tasks.sudoku_trace:make_task",
+    "countdown-trace": "daca.tasks.countdown_trace:make_task",
     "gsm8k": "daca.tasks.gsm8k:make_task",
     "math500": "daca.tasks.math500:make_task",
     "mbpp": "daca.tasks.mbpp:make_task",
@@ -47,6 +49,10 @@ class Task:
         columns: names of the row fields that reward functions and ``score`` receive.
         executes_code: rewards run model-written code, so training and evaluation check
             first that the sandbox works (``daca.tasks.sandbox.isolation_available``).
+        reference_completion: ``reference_completion(row) -> str`` the supervised target of
+            ``daca pretrain`` (e.g. a solver's trace then the answer); None: ``row["solution"]``.
+        compact_vocabulary: tokens beyond the tiny tokenizer's alphabet that the task's compact
+            completions need (characters, and tags kept as one token each).
     """
 
     name: str
@@ -58,6 +64,8 @@ class Task:
     reward_weights: list[float] = field(default_factory=list)
     compact_prompt: Callable[[dict[str, Any]], str] | None = None
     executes_code: bool = False  # its rewards run model-written code: needs daca.tasks.sandbox
+    reference_completion: Callable[[dict[str, Any]], str] | None = None
+    compact_vocabulary: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.reward_weights:

@@ -61,6 +61,7 @@ class _Parser:
         self.pos = 0
         self.depth = 0
         self.numbers: list[int] = []
+        self.steps: list[tuple[Fraction, str, Fraction, Fraction]] = []  # (lhs, op, rhs, value)
 
     def peek(self) -> int | str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -71,7 +72,7 @@ class _Parser:
             op = self.tokens[self.pos]
             self.pos += 1
             rhs = self.term()
-            value = value + rhs if op == "+" else value - rhs
+            value = self._step(value, op, rhs, value + rhs if op == "+" else value - rhs)
         return value
 
     def term(self) -> Fraction:
@@ -80,12 +81,13 @@ class _Parser:
             op = self.tokens[self.pos]
             self.pos += 1
             rhs = self.factor()
-            if op == "*":
-                value = value * rhs
-            elif rhs == 0:
+            if op == "/" and rhs == 0:
                 raise ExpressionError("division by zero")
-            else:
-                value = value / rhs
+            value = self._step(value, op, rhs, value * rhs if op == "*" else value / rhs)
+        return value
+
+    def _step(self, lhs: Fraction, op: str, rhs: Fraction, value: Fraction) -> Fraction:
+        self.steps.append((lhs, op, rhs, value))
         return value
 
     def factor(self) -> Fraction:
@@ -118,6 +120,17 @@ def evaluate(text: str) -> tuple[Fraction, list[int]]:
     Raises ExpressionError for an empty or malformed expression, unbalanced parentheses,
     unary signs, unknown characters, and division by zero.
     """
+    value, numbers, _ = evaluate_steps(text)
+    return value, numbers
+
+
+def evaluate_steps(text: str) -> tuple[Fraction, list[int], list[tuple]]:
+    """``evaluate`` plus the binary operations in the order they are computed, each
+    ``(lhs, op, rhs, value)`` with exact values.
+
+    >>> [tuple(map(str, step)) for step in evaluate_steps("(3 + 5) * 2")[2]]
+    [('3', '+', '5', '8'), ('8', '*', '2', '16')]
+    """
     tokens = tokenize(text)
     if not tokens:
         raise ExpressionError("empty expression")
@@ -128,4 +141,4 @@ def evaluate(text: str) -> tuple[Fraction, list[int]]:
         if token == ")":
             raise ExpressionError("unbalanced parentheses: unexpected ')'")
         raise ExpressionError(f"unexpected {token!r} after a complete expression")
-    return value, parser.numbers
+    return value, parser.numbers, parser.steps

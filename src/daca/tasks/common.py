@@ -11,6 +11,8 @@ SYSTEM_PROMPT = (
 )
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
+# The format's tags and separators, as a tiny model's tokenizer reads them (one token a tag).
+FORMAT_VOCABULARY = ("<reasoning>", "</reasoning>", _OPEN, _CLOSE, "\n", " ")
 
 
 def answer_tag_span(text: str) -> str | None:

@@ -53,6 +53,14 @@ def masked_diffusion_loss(
     return (ce * masked / t).sum() / (b * length)
 
 
+def supervised_targets(task, rows: list[dict]) -> list[str]:
+    """The completion each row teaches: the task's ``reference_completion`` (a trace, then the
+    answer) or, without one, the row's solution."""
+    if task.reference_completion is None:
+        return [r["solution"] for r in rows]
+    return [task.reference_completion(r) for r in rows]
+
+
 def _bundle(model, tokenizer) -> LoadedModel:
     return LoadedModel(
         model=model,
@@ -91,7 +99,9 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
             num_layers=cfg.num_layers,
             num_heads=cfg.num_heads,
             intermediate_size=cfg.intermediate_size,
+            max_positions=max(128, 32 + cfg.gen_length),  # a compact prompt is under 32 tokens
             seed=cfg.seed,
+            words=tuple(w for n in names for w in tasks[n].compact_vocabulary),
         )
         bundle = _bundle(model, tokenizer)
     gen = GenerationConfig(
@@ -103,7 +113,7 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     for n in names:
         rows = train[n]
         p_ids, p_mask = encode_prompts(bundle, prompt_texts(bundle, tasks[n], rows))
-        targets = encode_targets(bundle, [r["solution"] for r in rows], cfg.gen_length)
+        targets = encode_targets(bundle, supervised_targets(tasks[n], rows), cfg.gen_length)
         data.append((p_ids, p_mask, targets))
     p_ids = torch.cat([d[0] for d in data])
     p_mask = torch.cat([d[1] for d in data])

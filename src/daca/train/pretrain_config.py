@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass
 class PretrainConfig:
-    task: str = "sudoku"  # sudoku | countdown | mix
+    task: str = "sudoku"  # sudoku | countdown | sudoku-trace | countdown-trace | mix
     out: str = "runs/pretrain-tiny"
     seed: int = 0
     max_steps: int = 1500
