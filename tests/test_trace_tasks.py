@@ -219,3 +219,11 @@ def test_a_pretrained_trace_model_loads_as_llada_and_evaluates(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert code == 0
     assert "L=128" in printed and "block=32" in printed
+
+
+def test_train_names_the_missing_shipped_model_in_one_line(capsys):
+    from daca.cli import main
+
+    assert main(["train", "task=countdown-trace", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "daca pretrain --task countdown-trace" in err[0]

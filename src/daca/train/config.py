@@ -323,7 +323,10 @@ VARIANT_SWITCHES = {
 def resolved(cfg: TrainConfig) -> TrainConfig:
     """Fill the fields left to the task, the method or the variant (``model``, ``beta``,
     DPS/SML switches)."""
-    cfg = dataclasses.replace(cfg, model=tiny_for_task(cfg.model, cfg.task))
+    try:
+        cfg = dataclasses.replace(cfg, model=tiny_for_task(cfg.model, cfg.task))
+    except ValueError as e:  # "tiny" for a task without a shipped model
+        raise ConfigError(f"model: {e}") from None
     if cfg.beta is None:
         cfg = dataclasses.replace(cfg, beta=METHODS[cfg.method].beta)
     if cfg.variant is not None:
