@@ -28,8 +28,9 @@ class BaseMethod:
         ℓ that the ratio, or wd1's likelihood, reads; SML is added by the caller).
     loss(cfg, logp, *, old_logp, ref_logp, advantages, completion_mask, token_multipliers,
         sml_logp) -> (loss, metrics).
-    ratio: a policy ratio: old-policy log-probs, μ = ``num_iterations`` inner updates per
-        rollout, a KL against a reference when β > 0 (wd1 has none of them).
+    ratio: a policy ratio: old-policy log-probs for the μ = ``num_iterations`` inner updates
+        per rollout, a KL against a reference when β > 0 (wd1 has neither; it still takes μ
+        updates per rollout, each with a fresh mask seed, as its reference code does).
     beta: the reference code's KL weight, used when the config leaves ``beta`` unset.
     compare_iterations: μ of ``daca compare``'s tiny runs.
     baseline: ``objectives.group_advantages``'s baseline.

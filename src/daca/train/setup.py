@@ -105,9 +105,10 @@ class SetupSteps:
         cfg = self.cfg
         dtype = torch.bfloat16 if cfg.bf16 else None
         if cfg.load_in_4bit:
-            from daca.models.quant import load_4bit
+            from daca.models.quant import load_4bit, prepare_for_training
 
-            bundle = load_4bit(cfg.model, device=self.acc.device)
+            bundle = load_4bit(cfg.model, device=self.acc.device, dtype=dtype or torch.float32)
+            bundle.model = prepare_for_training(bundle.model)
         else:
             bundle = load(cfg.model, device=self.acc.device, dtype=dtype)
         bundle.meta["generation"] = asdict(cfg.generation)  # checkpoints evaluate with these
