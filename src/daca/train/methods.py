@@ -9,7 +9,7 @@ of the trainer: ``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completio
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor
@@ -39,6 +39,9 @@ class BaseMethod:
     forward_views(cfg) -> (views stacked in the estimator's forward, completion rows scored
         per token over them): the memory estimate's factors (``daca.train.memory``).
     in_paper: one of the paper's three base methods (``daca compare``'s default grid).
+    published: the settings of the method's reference code that differ between methods (μ, where
+        not the task's, β, learning rate), which a recipe with ``published_settings: true`` takes
+        for the method it runs (``daca.train.config.load_config``).
     """
 
     name: str
@@ -51,6 +54,7 @@ class BaseMethod:
     sml: Literal["enriched", "regulariser"]
     forward_views: Callable[[TrainConfig], tuple[int, float]]
     in_paper: bool = True
+    published: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------- estimators
@@ -68,7 +72,10 @@ def _mean_field(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tens
 
 
 def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
-    """GDPO's quadrature ELBO token terms, masking among the real completion tokens only."""
+    """GDPO's quadrature ELBO token terms: as the reference code, ⌊t·L⌋ of all L completion
+    positions masked, padding included (``gdpo_reduction="sequence"``), or max(1, ⌊t·N⌋) of
+    the N real tokens only ("token")."""
+    reference = cfg.gdpo_reduction == "sequence"
     return likelihood.elbo_token_terms(
         model,
         batch.prompt_ids,
@@ -77,7 +84,8 @@ def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
         attention_mask=batch.prompt_mask,
         quadrature=cfg.quadrature,
         generator=generator,
-        completion_mask=batch.completion_mask,
+        completion_mask=None if reference else batch.completion_mask,
+        at_least_one=not reference,
     )
 
 
@@ -108,7 +116,8 @@ def _wd1_loss(cfg: TrainConfig, logp, *, advantages, completion_mask, token_mult
 
 
 def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
-    """A ratio method's loss: ``objective(logp, old, A, mask, ε, β, <ref_key>=ref, m)``."""
+    """A ratio method's loss: ``objective(logp, old, A, mask, ε, β, <ref_key>=ref, m, **extra)``
+    (``extra``: ``kw["extra"]``, the method's own options)."""
     return objective(
         logp,
         kw["old_logp"],
@@ -118,6 +127,7 @@ def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
         beta=cfg.beta,
         token_multipliers=kw["token_multipliers"],
         **{ref_key: kw["ref_logp"]},
+        **kw.get("extra", {}),
     )
 
 
@@ -127,7 +137,8 @@ def _diffu_grpo_loss(cfg: TrainConfig, logp, **kw):
 
 
 def _gdpo_loss(cfg: TrainConfig, logp, **kw):
-    return _ratio_loss(objectives.gdpo_loss, "ref_token_terms", cfg, logp, **kw)
+    extra = {"reduction": cfg.gdpo_reduction}
+    return _ratio_loss(objectives.gdpo_loss, "ref_token_terms", cfg, logp, extra=extra, **kw)
 
 
 def _coupled_grpo_loss(cfg: TrainConfig, logp, **kw):
@@ -163,6 +174,7 @@ METHODS: dict[str, BaseMethod] = {
             baseline="mean",
             sml="enriched",
             forward_views=_one_view,
+            published={"learning_rate": 3e-6, "beta": 0.04},
         ),
         BaseMethod(
             name="wd1",
@@ -174,6 +186,7 @@ METHODS: dict[str, BaseMethod] = {
             baseline="mean",
             sml="regulariser",
             forward_views=_one_view,
+            published={"learning_rate": 3e-6, "beta": 0.0},
         ),
         BaseMethod(
             name="gdpo",
@@ -185,6 +198,7 @@ METHODS: dict[str, BaseMethod] = {
             baseline="mean",
             sml="enriched",
             forward_views=_quadrature_views,
+            published={"learning_rate": 3e-7, "beta": 0.0},
         ),
         BaseMethod(
             name="coupled_grpo",
@@ -197,6 +211,7 @@ METHODS: dict[str, BaseMethod] = {
             sml="enriched",
             forward_views=_coupled_views,
             in_paper=False,
+            published={"learning_rate": 1e-6, "beta": 0.01, "num_iterations": 2},
         ),
     )
 }
