@@ -8,8 +8,8 @@
 
 import copy
 import importlib.util
-import types
 import json
+import types
 import warnings
 
 import pytest
