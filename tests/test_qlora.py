@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from _hub import write_dream, write_llada
+from safetensors.torch import load_file, save_file
 
 from daca.cli import main
 from daca.core.modeling import forward_logits
@@ -113,13 +114,11 @@ def _metrics(run_dir) -> list[dict]:
 def test_paper_recipe_in_4bit_trains_resumes_exactly_evaluates_and_exports(
     hub_model, tmp_path, capsys
 ):
-    # lr 1e-3 instead of the recipe's 3e-6: two steps then move the adapter measurably.
-    fast = "learning_rate=1e-3"
-    straight = _trainer(hub_model, tmp_path, "straight", "max_steps=2", fast)
+    straight = _trainer(hub_model, tmp_path, "straight", "max_steps=2")
     assert _linear4bit(straight.model) == 2 * 7
     straight.train()
-    _trainer(hub_model, tmp_path, "split", "max_steps=1", fast).train()
-    resumed = _trainer(hub_model, tmp_path, "split", "max_steps=2", fast, resume=True)
+    _trainer(hub_model, tmp_path, "split", "max_steps=1").train()
+    resumed = _trainer(hub_model, tmp_path, "split", "max_steps=2", resume=True)
     assert resumed.step == 1 and _linear4bit(resumed.model) == 2 * 7
     resumed.train()
     a, b = _adapter(straight), _adapter(resumed)
@@ -135,6 +134,11 @@ def test_paper_recipe_in_4bit_trains_resumes_exactly_evaluates_and_exports(
 
     from daca.models import load
 
+    # Two steps of a random model earn (nearly) no reward, hence no update: give the adapter
+    # seeded random weights, so that a merge that lost or doubled it would show.
+    adapter = checkpoint / "adapter_model.safetensors"
+    weights, noise = load_file(adapter), torch.Generator().manual_seed(2)
+    save_file({k: torch.randn(v.shape, generator=noise) * 0.1 for k, v in weights.items()}, adapter)
     on_4bit = load(str(checkpoint))  # the adapter on the NF4 base it was trained on
     assert _linear4bit(on_4bit.model) == 2 * 7
     assert main(["export", str(tmp_path / "split"), "--out", str(tmp_path / "merged"),
@@ -148,7 +152,7 @@ def test_paper_recipe_in_4bit_trains_resumes_exactly_evaluates_and_exports(
         q, m, u, full = (
             forward_logits(x.model.eval(), ids).float() for x in (on_4bit, merged, unmerged, base)
         )
-    assert (u - full).abs().max() > 1e-2  # 2 steps at lr 1e-3 moved the adapter
+    assert (u - full).abs().mean() > 0.1 * full.std()  # the adapter changes the logits
     assert torch.allclose(m, u, atol=1e-4, rtol=1e-4)  # the merge is the adapter, exactly
     # Stated tolerance: the merged model differs from adapter-on-4-bit by the base's NF4 error,
     # a few % of the logits' scale at these widths (measured: about 2 %), at most 10 %.
