@@ -154,6 +154,13 @@ def test_paper_recipe_in_4bit_trains_resumes_exactly_evaluates_and_exports(
         )
     assert (u - full).abs().mean() > 0.1 * full.std()  # the adapter changes the logits
     assert torch.allclose(m, u, atol=1e-4, rtol=1e-4)  # the merge is the adapter, exactly
-    # Stated tolerance: the merged model differs from adapter-on-4-bit by the base's NF4 error,
-    # a few % of the logits' scale at these widths (measured: about 2 %), at most 10 %.
-    assert (m - q).abs().mean() <= 0.1 * full.std()
+    # Stated tolerance: the merged model differs from adapter-on-4-bit by the base's own NF4
+    # error (these random widths quantise coarsely: about a third of the logits' std), at most
+    # 1.25 times what the 4-bit base differs from the full one by (measured: 0.8 to 0.95 times).
+    from daca.models.quant import load_4bit
+
+    base_4bit = load_4bit(str(hub_model), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        nf4_error = (forward_logits(base_4bit.model.eval(), ids).float() - full).abs().mean()
+    assert (m - q).abs().mean() <= 1.25 * nf4_error
+    assert (m - q).abs().mean() < 0.5 * (u - full).abs().mean()  # far below the adapter's effect
