@@ -47,7 +47,7 @@ def _trl_args(cfg, out) -> DACAGRPOConfig:
     same = {name: getattr(cfg, name) for name in TRAIN_FIELDS}
     for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm"):
         same[name] = getattr(cfg, name)
-    mu = cfg.num_iterations if METHODS[cfg.method].ratio else 1
+    mu = cfg.num_iterations
     return DACAGRPOConfig(
         output_dir=str(out),
         **CPU_TRL,
@@ -67,7 +67,7 @@ def _trl_args(cfg, out) -> DACAGRPOConfig:
 )
 def test_native_and_trl_steps_are_identical(tiny_model_dir, tmp_path, method, gas):
     """Two prompts of G = 6 per step, in one micro-batch or in two (gradient accumulation)."""
-    mu = 2 if METHODS[method].ratio else 1
+    mu = 2  # wd1 too: μ updates per rollout, each with its own masks
     cfg = _cfg(
         tiny_model_dir,
         tmp_path,

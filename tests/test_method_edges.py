@@ -87,24 +87,31 @@ def test_first_inner_iteration_has_ratio_one_and_kl_zero(tiny_model_dir, tmp_pat
 
 
 def test_native_gdpo_masks_only_real_tokens(tiny_model_dir, tmp_path, monkeypatch):
-    """The trainer's ELBO masks no padding after EOS: those positions' terms stay 0."""
+    """With gdpo_reduction=token the trainer's ELBO masks no padding after EOS: those
+    positions' terms stay 0. The default (the reference's "sequence") masks ⌊t·L⌋ of all L
+    positions, padding included, and none at a node where t·L < 1."""
     seen = []
     real = likelihood.elbo_token_terms
 
     def spy(model, prompt_ids, completion_ids, **kw):
         terms = real(model, prompt_ids, completion_ids, **kw)
-        seen.append((terms.detach(), kw.get("completion_mask")))
+        seen.append((terms.detach(), kw.get("completion_mask"), kw.get("at_least_one")))
         return terms
 
     monkeypatch.setattr(likelihood, "elbo_token_terms", spy)
-    trainer = Trainer(
-        _cfg(tiny_model_dir, tmp_path, "run", "method=gdpo", "max_steps=1"), progress=False
-    )
-    trainer.train()
+    overrides = ("method=gdpo", "max_steps=1", "gdpo_reduction=token")
+    Trainer(_cfg(tiny_model_dir, tmp_path, "token", *overrides), progress=False).train()
     assert seen
     padding = 0
-    for terms, mask in seen:
-        assert mask is not None, "the trainer must pass the completion mask"
+    for terms, mask, at_least_one in seen:
+        assert mask is not None and at_least_one, "the trainer must pass the completion mask"
         assert (terms[~mask.bool()] == 0).all()
         padding += (~mask.bool()).sum().item()
     assert padding > 0  # some completions did end early
+
+    seen.clear()
+    Trainer(_cfg(tiny_model_dir, tmp_path, "seq", *overrides[:2]), progress=False).train()
+    assert seen and all(mask is None and at_least_one is False for _, mask, at_least_one in seen)
+    nodes = likelihood.quadrature_nodes("gauss-3")[0]
+    masks = likelihood.elbo_masks(4, 8, nodes, completion_mask=None, at_least_one=False)
+    assert masks.sum(dim=-1).tolist() == [[0] * 4, [4] * 4, [7] * 4]  # ⌊t·8⌋, t ≈ .11, .5, .89

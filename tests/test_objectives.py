@@ -317,3 +317,22 @@ def test_gradients_flow_to_model_parameters():
         assert grads, name
         assert all(torch.isfinite(g).all() for g in grads), name
         assert sum(g.abs().sum().item() for g in grads) > 0, name
+
+
+def test_gdpo_sequence_reduction_by_hand():
+    """The reference code's reduction: ELBO over all L positions (padding included), ratio
+    exp(ΔELBO / L), mean over sequences, KL k3 of the raw ELBO difference."""
+    terms = torch.tensor([[-1.0, -2.0, 0.0, -1.0], [-2.0, 0.0, 0.0, -2.0]], dtype=torch.float64)
+    old = terms - torch.tensor([[0.4, 0, 0, 0], [0, 0, 0, -0.8]], dtype=torch.float64)
+    ref = terms - torch.tensor([[0.2, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float64)  # row 1 padded
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, metrics = obj.gdpo_loss(terms, old, adv, mask, beta=0.1, ref_token_terms=ref,
+                              reduction="sequence")  # fmt: skip
+    # ΔELBO 0.4 and -0.8 over L = 4 (the padded position counts); A = +1 and -1, no clip.
+    surrogate = (-math.exp(0.1) + math.exp(-0.2)) / 2
+    kl = (math.exp(-0.2) + 0.2 - 1) / 2  # k3(ELBO_ref - ELBO) = k3(-0.2) and k3(0)
+    assert loss.item() == pytest.approx(surrogate + 0.1 * kl, rel=1e-12)
+    assert metrics["kl"] == pytest.approx(kl, rel=1e-12)
+    with pytest.raises(ValueError, match="reduction"):
+        obj.gdpo_loss(terms, old, adv, mask, reduction="mean")

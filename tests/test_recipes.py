@@ -64,10 +64,16 @@ def test_paper_recipe_settings_and_documented_overrides(path):
         label = re.sub(r"\s+", " ", line[1:].split(overrides[0])[0]).strip() if overrides else ""
         if overrides and "daca.cli" not in line:
             found[label.removeprefix("base method ").removeprefix("DACA variant ")] = overrides
-    mu = 8 if path.stem in ("countdown", "sudoku") else 12
+    # μ: the reference codes' rollout reuse (wd1's run scripts: 12, Sudoku 8), for wd1 too.
+    mu = 8 if path.stem == "sudoku" else 12
+    assert cfg.num_iterations == mu and cfg.name == f"llada-{path.stem}-wd1-dps"
+    # A one-word method= takes the method's published settings (published_settings: true).
     want = {
-        "Diffu-GRPO": dict(method="diffu_grpo", num_iterations=mu, beta=0.04),
+        "Diffu-GRPO": dict(method="diffu_grpo", num_iterations=mu, beta=0.04, learning_rate=3e-6),
         "GDPO": dict(method="gdpo", num_iterations=mu, learning_rate=3e-7, beta=0.0),
+        "coupled-GRPO": dict(
+            method="coupled_grpo", num_iterations=2, learning_rate=1e-6, beta=0.01
+        ),
         "base": {"dps.enabled": False, "sml.enabled": False},
         "+SML": {"dps.enabled": False, "sml.enabled": True},
         "full DACA": {"dps.enabled": True, "sml.enabled": True},
@@ -87,8 +93,8 @@ def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
     norms = 32 * 2 * 4096 + 4096
     assert est.source == "built-in config.json"
     assert est.parameters == linear + embeddings + norms == 8_015_581_184
-    assert est.resident["weights (4-bit NF4, embeddings bf16)"] == pytest.approx(
-        linear * NF4_BYTES + (embeddings + norms) * 2
+    assert est.resident["weights (4-bit NF4, embeddings fp32)"] == pytest.approx(
+        linear * NF4_BYTES + (embeddings + norms) * 4  # fp32: prepare_model_for_kbit_training
     )
     assert est.trainable == 335_544_320
     assert est.resident["LoRA r=128 + gradients + AdamW (fp32)"] == 335_544_320 * 16
@@ -121,3 +127,24 @@ def test_trace_estimate_matches_the_recorders_measured_peak(scope):
 def test_unknown_model_dry_run_still_succeeds(capsys):
     assert main(["train", "--dry-run", "model=nobody/no-such-model-xyz"]) == 0
     assert "memory estimate unavailable: unknown model" in capsys.readouterr().out
+
+
+def test_run_name_and_published_settings_follow_the_overrides(capsys, monkeypatch):
+    gsm8k = ROOT / "configs/paper/gsm8k.yaml"
+    cfg = load_config(gsm8k, ["method=gdpo", "variant=daca"])
+    assert cfg.name == "llada-gsm8k-gdpo-daca" and (cfg.learning_rate, cfg.beta) == (3e-7, 0.0)
+    assert load_config(gsm8k, ["task=math500", "dps.enabled=false"]).name == (
+        "llada-math500-wd1-base"
+    )
+    assert load_config(gsm8k, ["name=mine", "method=gdpo"]).name == "mine"
+    # The command line wins over the published value, and the dry-run names the difference.
+    cfg = load_config(gsm8k, ["method=gdpo", "learning_rate=1e-6"])
+    assert cfg.learning_rate == 1e-6
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--config", str(gsm8k), "--dry-run", "method=gdpo", "beta=0.1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llada-gsm8k-gdpo-dps:")
+    assert "differs from gdpo's published settings: beta=0.1 (published: 0.0)" in out
+    # Without published_settings (the default), a recipe's values stay; the dry-run says so.
+    cfg = load_config(None, ["method=gdpo"])
+    assert cfg.name == "tiny-sudoku-gdpo-dps" and cfg.learning_rate == 3e-5

@@ -278,7 +278,6 @@ def test_reference_model_is_loaded_through_daca(tiny_model_dir, tmp_path):
         ({"method": "diffu_grpo", "epsilon_high": 0.3}, "epsilon_high"),
         ({"method": "diffu_grpo", "top_entropy_quantile": 0.5}, "top_entropy_quantile"),
         ({"method": "diffu_grpo", "scale_rewards": "batch"}, "scale_rewards"),
-        ({"method": "wd1", "num_iterations": 2}, "num_iterations=1"),
         ({"method": "wd1", "beta": 0.04}, "beta=0"),
         ({"method": "gdpo", "quadrature": "simpson"}, "quadrature"),
         ({"method": "diffu_grpo", "p_mask_prompt": 1.0}, "p_mask_prompt"),  # daca's [0, 1)

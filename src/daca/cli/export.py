@@ -31,10 +31,14 @@ def checkpoint_model(run_dir, step: int | None = None) -> Path:
 
 def export(run_dir, out, *, step: int | None = None, merge_lora: bool = False) -> Path:
     """Write the checkpoint's model to ``out``; a LoRA adapter merged into its base when
-    ``merge_lora``. Returns ``out``."""
+    ``merge_lora``. Returns ``out``.
+
+    A QLoRA run's adapter is merged into the base at full precision (its checkpoint's dtype),
+    as users deploy it, not into the 4-bit weights it was trained on: the merged model's
+    logits differ from the adapter-on-4-bit ones by the base's quantisation error."""
     from daca.models.loading import load, save_pretrained
 
-    bundle = load(str(checkpoint_model(run_dir, step)))
+    bundle = load(str(checkpoint_model(run_dir, step)), base_in_4bit=False if merge_lora else None)
     if merge_lora and hasattr(bundle.model, "merge_and_unload"):
         bundle.model = bundle.model.merge_and_unload()
     return save_pretrained(bundle, out)

@@ -55,8 +55,12 @@ def run(args) -> int:
         f"DPS {'on' if cfg.dps.enabled else 'off'}, SML {'on' if cfg.sml.enabled else 'off'}"
     )
     if args.dry_run:
+        from daca.train.config import published_differences
         from daca.train.memory import estimate_text
 
+        differ = published_differences(cfg)
+        if differ:
+            print(f"differs from {cfg.method}'s published settings: {', '.join(differ)}")
         print(estimate_text(cfg))
         return 0
     from daca.tasks.rewards import RewardError

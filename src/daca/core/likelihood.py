@@ -264,6 +264,7 @@ def elbo_masks(
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
     completion_mask: Tensor | None = None,
+    at_least_one: bool = True,
 ) -> Tensor:
     """Masks of the ELBO's noised inputs x_t: bool [Q, B, L] (METHOD §4, GDPO).
 
@@ -271,7 +272,9 @@ def elbo_masks(
     (``completion_mask`` [B, L], True = real token; None = all L), chosen uniformly at random
     among them; at least one, so that no node contributes nothing on short completions, and
     none in a row without real tokens. Padding after EOS is never masked: the ELBO is a bound
-    on the N real tokens, and the GDPO loss divides it by N.
+    on the N real tokens, and the GDPO loss divides it by N. ``at_least_one=False`` with
+    ``completion_mask=None`` is the reference code's ⌊t_q·L⌋ of all L positions, padding
+    included (none at all when t_q·L < 1).
 
     Generator: exactly one draw ``torch.rand(Q, B, L, dtype=float64)``, whatever the mask; the
     masked positions of (q, b) are the m_qb real positions with the smallest draws.
@@ -287,7 +290,7 @@ def elbo_masks(
         real = completion_mask.to(device=device, dtype=torch.bool)
     num_real = real.sum(-1)  # N_b
     counts = torch.floor(nodes.double().to(real.device)[:, None] * num_real).long()  # [Q, B]
-    counts = torch.minimum(counts.clamp_min(1), num_real)
+    counts = torch.minimum(counts.clamp_min(1 if at_least_one else 0), num_real)
     draw = torch.rand(
         len(nodes), batch_size, length, dtype=torch.float64, generator=generator, device=device
     )
@@ -338,6 +341,7 @@ def elbo_token_terms(
     attention_mask: Tensor | None = None,
     completion_mask: Tensor | None = None,
     masks: Tensor | None = None,
+    at_least_one: bool = True,
 ) -> Tensor:
     """GDPO's semi-deterministic Monte Carlo ELBO, split per completion token: [B, L] (METHOD §4).
 
@@ -347,7 +351,8 @@ def elbo_token_terms(
     L; prompt never masked). The sum over L is the ELBO; each token's entry collects its terms
     over the nodes where it is masked. One batched forward of Q·B rows.
 
-    ``masks`` (bool [Q, B, L], e.g. from ``elbo_masks``) gives the masks instead of drawing them.
+    ``masks`` (bool [Q, B, L], e.g. from ``elbo_masks``) gives the masks instead of drawing them;
+    ``at_least_one``: as ``elbo_masks``.
 
     Generator: exactly what ``elbo_masks`` draws (one ``torch.rand(Q, B, L, float64)``).
     """
@@ -362,6 +367,7 @@ def elbo_token_terms(
             generator=generator,
             device=completion_ids.device,
             completion_mask=completion_mask,
+            at_least_one=at_least_one,
         )
     return elbo_token_terms_from_masks(
         model,

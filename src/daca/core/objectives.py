@@ -234,8 +234,16 @@ def gdpo_loss(
     beta: float = 0.0,
     ref_token_terms: Tensor | None = None,
     token_multipliers: Tensor | None = None,
+    reduction: str = "token",
 ) -> tuple[Tensor, dict[str, float]]:
-    """GDPO loss with a sequence-level ratio (METHOD.md §4), averaged over completion tokens.
+    """GDPO loss with a sequence-level ratio (METHOD.md §4).
+
+    ``reduction="sequence"`` is the reference code's (``gdpo_trainer.compute_loss``): the ELBO
+    sums ``token_terms`` over all L positions, padding included, rho = exp((ELBO - ELBO_old) / L)
+    with L the padded completion length, the KL is beta * k3(ELBO_ref - ELBO) on the raw ELBO
+    difference, and the loss is the mean over sequences of -min(rho A, clip(rho) A) + beta·KL
+    (with multipliers, each sequence's surrogate is the mean of -min(rho A_n, clip(rho) A_n)
+    over its completion tokens). ``reduction="token"`` (daca's earlier choice):
 
     ELBO = sum over the masked tokens of ``token_terms`` [B, L] (``likelihood.elbo_token_terms``),
     N = the sequence's number of completion tokens, rho = exp((ELBO - ELBO_old) / N) [B].
@@ -256,6 +264,19 @@ def gdpo_loss(
         _check_tokens(name, x, token_terms)
     if beta != 0 and ref_token_terms is None:
         raise ValueError("beta != 0 needs ref_token_terms for the KL term")
+    if reduction == "sequence":
+        return _gdpo_sequence_loss(
+            token_terms,
+            old_token_terms,
+            advantages,
+            _token_mask(completion_mask, token_terms),
+            epsilon=epsilon,
+            beta=beta,
+            ref_token_terms=ref_token_terms,
+            token_multipliers=token_multipliers,
+        )
+    if reduction != "token":
+        raise ValueError(f"reduction must be 'token' or 'sequence', got {reduction!r}")
     mask = _token_mask(completion_mask, token_terms)
     num_tokens = mask.sum(-1).clamp_min(1)  # N
     elbo = (token_terms * mask).sum(-1)
@@ -281,6 +302,48 @@ def gdpo_loss(
         }
         if kl is not None:
             metrics["kl"] = kl[real].mean().item() if real.any() else 0.0
+        if token_multipliers is not None:
+            metrics["multiplier_mean"] = _token_mean(token_multipliers, mask).item()
+    return loss, metrics
+
+
+def _gdpo_sequence_loss(
+    token_terms: Tensor,
+    old_token_terms: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon: float,
+    beta: float,
+    ref_token_terms: Tensor | None,
+    token_multipliers: Tensor | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """``gdpo_loss(reduction="sequence")``: the reference code's reduction (METHOD.md §4)."""
+    length = token_terms.shape[-1]  # L, padding included
+    elbo = token_terms.sum(-1)
+    ratio = torch.exp((elbo - old_token_terms.detach().sum(-1)) / length)  # [B]
+    adv = _token_advantages(advantages, token_multipliers)
+    per_token, clip_active = _clipped_surrogate(ratio[:, None], adv, epsilon)
+    if token_multipliers is None:
+        per_seq = per_token[:, 0]  # one surrogate per sequence, as the reference
+    else:
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+    kl = None
+    if ref_token_terms is not None:
+        kl = _k3(ref_token_terms.detach().sum(-1) - elbo)  # [B], the raw ELBO difference
+    if beta != 0:
+        per_seq = per_seq + beta * kl
+    loss = per_seq.mean()
+
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": _token_mean(clip_active.expand_as(mask).to(mask.dtype), mask).item(),
+            "ratio_mean": ratio.mean().item(),
+            "ratio_max": ratio.max().item(),
+            "advantage_mean": _token_mean(adv.expand_as(mask), mask).item(),
+        }
+        if kl is not None:
+            metrics["kl"] = kl.mean().item()
         if token_multipliers is not None:
             metrics["multiplier_mean"] = _token_mean(token_multipliers, mask).item()
     return loss, metrics

@@ -225,11 +225,10 @@ class DACAGRPOConfig(GRPOConfig):
                 f"{replaced} configure TRL's loss or advantages, which method={self.method!r} "
                 "replaces by its own: leave them at TRL's defaults (docs/trl.md)"
             )
-        if not METHODS[self.method].ratio and (self.num_iterations != 1 or self.beta != 0):
+        if not METHODS[self.method].ratio and self.beta != 0:
             raise ValueError(
-                f"method={self.method!r} has no policy ratio, hence one update per rollout and no "
-                f"reference: set num_iterations=1 and beta=0 (got {self.num_iterations}, "
-                f"{self.beta})"
+                f"method={self.method!r} has no policy ratio, hence no KL against a reference: "
+                f"set beta=0 (got {self.beta})"
             )
         self.train_config()
 

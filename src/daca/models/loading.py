@@ -251,6 +251,7 @@ def load(
     trust_remote_code: bool = False,
     quantization_config=None,
     check_padding: bool | None = None,
+    base_in_4bit: bool | None = None,
 ) -> LoadedModel:
     """Load a masked diffusion LM, its tokenizer and special ids (``"tiny"``: the shipped model).
 
@@ -259,13 +260,19 @@ def load(
     model on ``device`` while loading. trust_remote_code: run a folder's own modeling code, for
     families daca does not know (never for LLaDA and Dream). check_padding: test whether left
     padding changes the logits and, if so, install ``bucketed_forward`` with a warning (default:
-    other masked LMs whose prompts are not padded to a fixed width).
+    other masked LMs whose prompts are not padded to a fixed width). base_in_4bit: for a LoRA
+    checkpoint, load its base in 4-bit NF4 (as a QLoRA run trained it) or in ``dtype``; None:
+    as its ``daca.json`` says.
     """
     path = resolve(name_or_path)
     meta = read_meta(path)
     check_weights_format(path)
     if (Path(path) / "adapter_config.json").is_file():
-        return _load_adapter(path, meta, device=device, dtype=dtype, trust=trust_remote_code)
+        if base_in_4bit is None:
+            base_in_4bit = bool(meta.get("base_in_4bit"))
+        return _load_adapter(
+            path, meta, device=device, dtype=dtype, trust=trust_remote_code, nf4=base_in_4bit
+        )
     hub = hub_config(path)
     family = family_of(hub.get("model_type"))
     check_remote_code(path, hub, family, trust_remote_code)
@@ -425,9 +432,10 @@ def _check_known(family, hub, mask, eos_ids, pad, path) -> None:
         )
 
 
-def _load_adapter(path: str, meta: dict, *, device, dtype, trust) -> LoadedModel:
+def _load_adapter(path: str, meta: dict, *, device, dtype, trust, nf4: bool) -> LoadedModel:
     """A LoRA checkpoint: its base (``daca.json``'s ``base_model``, else PEFT's
-    ``base_model_name_or_path``) loaded through ``load``, then the adapter on it."""
+    ``base_model_name_or_path``) loaded through ``load`` (in 4-bit NF4 when ``nf4``), then the
+    adapter on it."""
     from peft import PeftModel
 
     base_name = meta.get("base_model")
@@ -437,8 +445,14 @@ def _load_adapter(path: str, meta: dict, *, device, dtype, trust) -> LoadedModel
         )
     if not base_name:
         raise ValueError(f"{path}: a LoRA adapter that names no base model")
-    bundle = load(base_name, device=device, dtype=dtype, trust_remote_code=trust)
-    bundle.model = PeftModel.from_pretrained(bundle.model, path).to(device).eval()
+    if nf4:
+        from daca.models.quant import load_4bit
+
+        bundle = load_4bit(base_name, device=device, dtype=dtype or torch.float32)
+        bundle.model = PeftModel.from_pretrained(bundle.model, path).eval()  # placed: no .to()
+    else:
+        bundle = load(base_name, device=device, dtype=dtype, trust_remote_code=trust)
+        bundle.model = PeftModel.from_pretrained(bundle.model, path).to(device).eval()
     bundle.path, bundle.name = path, path
     bundle.meta = {**bundle.meta, **meta}
     bundle.prompt_format = meta.get("prompt_format", bundle.prompt_format)
@@ -484,6 +498,8 @@ def write_meta(bundle: LoadedModel, folder, model=None) -> None:
         meta["prompt_width"] = bundle.prompt_width
     if hasattr(model, "peft_config"):
         meta["base_model"] = _base_name(bundle)
+        if getattr(model.get_base_model(), "is_loaded_in_4bit", False):
+            meta["base_in_4bit"] = True  # the adapter was trained on NF4 base weights
     (Path(folder) / "daca.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 

@@ -95,7 +95,11 @@ class LoRAConfig:
 class TrainConfig:
     """One RL run. Field names follow the reference codes (d1, TRL) where they exist."""
 
-    name: str = _f("tiny-sudoku-wd1-dps", "run name: outputs go to output_dir/name")
+    name: str | None = _f(
+        None,
+        "run name: outputs go to output_dir/name; null: <model>-<task>-<method>-<variant> of the "
+        "run's own settings (e.g. tiny-sudoku-wd1-dps)",
+    )
     output_dir: str = _f("runs", "folder holding the run folders")
     model: str = _f(
         "tiny",
@@ -106,6 +110,11 @@ class TrainConfig:
     data_file: str | None = _f(None, "training data file (else the task generates or downloads)")
     eval_file: str | None = _f(None, "held-out data file (else the task's test split)")
     method: MethodName = _f("wd1", "base method (daca.train.methods.METHODS; METHOD.md §4, §6)")
+    published_settings: bool = _f(
+        False,
+        "take the method's published settings (its reference code's learning rate, β, μ: "
+        "daca.train.methods) over the recipe's, unless given on the command line",
+    )
     variant: Literal["base", "dps", "sml", "daca"] | None = _f(
         None, "the ablation grid's switch: sets dps.enabled and sml.enabled together"
     )
@@ -117,7 +126,9 @@ class TrainConfig:
     num_generations: int = _f(6, "G: completions per prompt")
     per_device_train_batch_size: int = _f(96, "completions per process per step (multiple of G)")
     num_iterations: int = _f(
-        1, "μ: policy updates per rollout (the ratio methods; wd1, with no old policy, uses 1)"
+        1,
+        "μ: policy updates per rollout, each with a fresh mask seed (every method; the reference "
+        "codes use 12, 8 for Sudoku)",
     )
     beta: float | None = _f(
         None,
@@ -129,6 +140,12 @@ class TrainConfig:
     scale_rewards: Literal["none", "group"] = _f("none", "divide advantages by the group std")
     psi: float = _f(1.0, "wd1 weight temperature ψ")
     quadrature: str = _f("gauss-3", "GDPO ELBO quadrature")
+    gdpo_reduction: Literal["sequence", "token"] = _f(
+        "sequence",
+        "GDPO: 'sequence' = the reference code's (⌊t·L⌋ of all L positions masked, padding "
+        "included; ratio exp(ΔELBO / L); sequence mean; KL on the raw ELBO), 'token' = over the "
+        "N real tokens (METHOD.md §4)",
+    )
     learning_rate: float = _f(3e-5, "AdamW learning rate (the tiny default; 1e-4 collapses it)")
     weight_decay: float = _f(0.1, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW β1")
@@ -304,8 +321,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of keys to values")
-    for text in overrides:
-        merge_override(data, *parse_override(text))
+    parsed = [parse_override(text) for text in overrides]
+    for path_, value in parsed:
+        merge_override(data, path_, value)
+    given = {".".join(path_) for path_, _ in parsed}
+    method = data.get("method", "wd1")
+    if data.get("published_settings") is True and isinstance(method, str) and method in METHODS:
+        for key, value in METHODS[method].published.items():
+            if key not in given:  # the command line wins over the method's published value
+                data[key] = value
     cfg = resolved(from_dict(TrainConfig, data))
     validate(cfg)
     return cfg
@@ -320,9 +344,32 @@ VARIANT_SWITCHES = {
 }
 
 
+def variant_label(cfg: TrainConfig) -> str:
+    """The ablation grid's name of the run's DPS/SML switches: base, dps, sml or daca."""
+    switches = (cfg.dps.enabled, cfg.sml.enabled)
+    return next(name for name, on in VARIANT_SWITCHES.items() if on == switches)
+
+
+def default_name(cfg: TrainConfig) -> str:
+    """<model>-<task>-<method>-<variant>: the model's folder or hub name up to its first dash,
+    lower-cased (``GSAI-ML/LLaDA-8B-Instruct`` -> llada, the shipped models -> tiny)."""
+    model = Path(str(cfg.model).rstrip("/")).name.lower().split("-")[0] or "model"
+    return f"{model}-{cfg.task}-{cfg.method}-{variant_label(cfg)}"
+
+
+def published_differences(cfg: TrainConfig) -> list[str]:
+    """``key=value (published: v)`` for each of the method's published settings the run
+    does not use (``daca train --dry-run`` prints them)."""
+    return [
+        f"{key}={getattr(cfg, key)} (published: {value})"
+        for key, value in METHODS[cfg.method].published.items()
+        if getattr(cfg, key) != value
+    ]
+
+
 def resolved(cfg: TrainConfig) -> TrainConfig:
     """Fill the fields left to the task, the method or the variant (``model``, ``beta``,
-    DPS/SML switches)."""
+    DPS/SML switches, and the run's ``name`` from them)."""
     try:
         cfg = dataclasses.replace(cfg, model=tiny_for_task(cfg.model, cfg.task))
     except ValueError as e:  # "tiny" for a task without a shipped model
@@ -336,6 +383,8 @@ def resolved(cfg: TrainConfig) -> TrainConfig:
             dps=dataclasses.replace(cfg.dps, enabled=dps_on),
             sml=dataclasses.replace(cfg.sml, enabled=sml_on),
         )
+    if cfg.name is None:
+        cfg = dataclasses.replace(cfg, name=default_name(cfg))
     return cfg
 
 
@@ -441,7 +490,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     )
     need(world_size >= 1, "world size must be >= 1")
     need(
-        "/" not in cfg.name and cfg.name not in ("", ".", ".."), f"name {cfg.name!r}: a folder name"
+        cfg.name is None or ("/" not in cfg.name and cfg.name not in ("", ".", "..")),
+        f"name {cfg.name!r}: a folder name",
     )
 
 

@@ -64,10 +64,11 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
     h, V, layers = shape.hidden, shape.vocab, shape.layers
     est = MemoryEstimate(cfg.model, source, shape.parameters, 0)
 
-    # Weights: NF4 for the layers' projections (embeddings, head, norms, biases stay bf16).
+    # Weights: NF4 for the layers' projections; embeddings, head, norms and biases in fp32
+    # (prepare_model_for_kbit_training upcasts them, as TRL does for the reference codes).
     if cfg.load_in_4bit:
-        weights = shape.linear_parameters * NF4_BYTES + shape.other_parameters * 2
-        kind = "4-bit NF4, embeddings bf16"
+        weights = shape.linear_parameters * NF4_BYTES + shape.other_parameters * 4
+        kind = "4-bit NF4, embeddings fp32"
     else:
         weights = shape.parameters * act
         kind = "bf16" if cfg.bf16 else "fp32"

@@ -9,7 +9,7 @@ of the trainer: ``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completio
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -26,8 +26,9 @@ class BaseMethod:
         ℓ that the ratio, or wd1's likelihood, reads; SML is added by the caller).
     loss(cfg, logp, *, old_logp, ref_logp, advantages, completion_mask, token_multipliers,
         sml_logp) -> (loss, metrics).
-    ratio: a policy ratio: old-policy log-probs, μ = ``num_iterations`` inner updates per
-        rollout, a KL against a reference when β > 0 (wd1 has none of them).
+    ratio: a policy ratio: old-policy log-probs for the μ = ``num_iterations`` inner updates
+        per rollout, a KL against a reference when β > 0 (wd1 has neither; it still takes μ
+        updates per rollout, each with a fresh mask seed, as its reference code does).
     beta: the reference code's KL weight, used when the config leaves ``beta`` unset.
     compare_iterations: μ of ``daca compare``'s tiny runs.
     baseline: ``objectives.group_advantages``'s baseline.
@@ -36,6 +37,9 @@ class BaseMethod:
     forward_views(cfg) -> (views stacked in the estimator's forward, completion rows scored
         per token over them): the memory estimate's factors (``daca.train.memory``).
     in_paper: one of the paper's three base methods (``daca compare``'s default grid).
+    published: the settings of the method's reference code that differ between methods (μ, where
+        not the task's, β, learning rate), which a recipe with ``published_settings: true`` takes
+        for the method it runs (``daca.train.config.load_config``).
     """
 
     name: str
@@ -48,6 +52,7 @@ class BaseMethod:
     sml: Literal["enriched", "regulariser"]
     forward_views: Callable[[TrainConfig], tuple[int, float]]
     in_paper: bool = True
+    published: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------- estimators
@@ -69,9 +74,12 @@ def _mean_field(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tens
 
 
 def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
-    """GDPO's quadrature ELBO token terms, masking among the real completion tokens only."""
+    """GDPO's quadrature ELBO token terms: as the reference code, ⌊t·L⌋ of all L completion
+    positions masked, padding included (``gdpo_reduction="sequence"``), or max(1, ⌊t·N⌋) of
+    the N real tokens only ("token")."""
     from daca.core import likelihood
 
+    reference = cfg.gdpo_reduction == "sequence"
     return likelihood.elbo_token_terms(
         model,
         batch.prompt_ids,
@@ -80,7 +88,8 @@ def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
         attention_mask=batch.prompt_mask,
         quadrature=cfg.quadrature,
         generator=generator,
-        completion_mask=batch.completion_mask,
+        completion_mask=None if reference else batch.completion_mask,
+        at_least_one=not reference,
     )
 
 
@@ -115,7 +124,8 @@ def _wd1_loss(cfg: TrainConfig, logp, *, advantages, completion_mask, token_mult
 
 
 def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
-    """A ratio method's loss: ``objective(logp, old, A, mask, ε, β, <ref_key>=ref, m)``."""
+    """A ratio method's loss: ``objective(logp, old, A, mask, ε, β, <ref_key>=ref, m, **extra)``
+    (``extra``: ``kw["extra"]``, the method's own options)."""
     return objective(
         logp,
         kw["old_logp"],
@@ -125,6 +135,7 @@ def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
         beta=cfg.beta,
         token_multipliers=kw["token_multipliers"],
         **{ref_key: kw["ref_logp"]},
+        **kw.get("extra", {}),
     )
 
 
@@ -138,7 +149,8 @@ def _diffu_grpo_loss(cfg: TrainConfig, logp, **kw):
 def _gdpo_loss(cfg: TrainConfig, logp, **kw):
     from daca.core import objectives
 
-    return _ratio_loss(objectives.gdpo_loss, "ref_token_terms", cfg, logp, **kw)
+    extra = {"reduction": cfg.gdpo_reduction}
+    return _ratio_loss(objectives.gdpo_loss, "ref_token_terms", cfg, logp, extra=extra, **kw)
 
 
 def _coupled_grpo_loss(cfg: TrainConfig, logp, **kw):
@@ -178,6 +190,7 @@ METHODS: dict[str, BaseMethod] = {
             baseline="mean",
             sml="enriched",
             forward_views=_one_view,
+            published={"learning_rate": 3e-6, "beta": 0.04},
         ),
         BaseMethod(
             name="wd1",
@@ -189,6 +202,7 @@ METHODS: dict[str, BaseMethod] = {
             baseline="mean",
             sml="regulariser",
             forward_views=_one_view,
+            published={"learning_rate": 3e-6, "beta": 0.0},
         ),
         BaseMethod(
             name="gdpo",
@@ -200,6 +214,7 @@ METHODS: dict[str, BaseMethod] = {
             baseline="mean",
             sml="enriched",
             forward_views=_quadrature_views,
+            published={"learning_rate": 3e-7, "beta": 0.0},
         ),
         BaseMethod(
             name="coupled_grpo",
@@ -212,6 +227,7 @@ METHODS: dict[str, BaseMethod] = {
             sml="enriched",
             forward_views=_coupled_views,
             in_paper=False,
+            published={"learning_rate": 1e-6, "beta": 0.01, "num_iterations": 2},
         ),
     )
 }

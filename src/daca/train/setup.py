@@ -109,9 +109,10 @@ class SetupSteps:
         cfg = self.cfg
         dtype = torch.bfloat16 if cfg.bf16 else None
         if cfg.load_in_4bit:
-            from daca.models.quant import load_4bit
+            from daca.models.quant import load_4bit, prepare_for_training
 
-            bundle = load_4bit(cfg.model, device=self.acc.device)
+            bundle = load_4bit(cfg.model, device=self.acc.device, dtype=dtype or torch.float32)
+            bundle.model = prepare_for_training(bundle.model)
         else:
             try:
                 bundle = load(cfg.model, device=self.acc.device, dtype=dtype)

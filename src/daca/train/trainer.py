@@ -127,7 +127,9 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
         gas = cfg.gradient_accumulation_steps
-        mu = cfg.num_iterations if self.method.ratio else 1  # no ratio: no old policy to reuse
+        # μ updates per rollout, each with its own mask seed; wd1 reuses the rollout as well (its
+        # reference code regenerates every num_iterations steps), only without an old policy.
+        mu = cfg.num_iterations
         # accelerate keeps this in a process-wide singleton: another Trainer may have changed it.
         self.acc.gradient_accumulation_steps = gas
         batches, stats_list = [], []
