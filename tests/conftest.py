@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -21,6 +23,17 @@ def tiny_random_model():
 @pytest.fixture(autouse=True)
 def _few_threads():
     torch.set_num_threads(1)  # tiny models: a second thread costs more than it gives
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """Each test starts with no accelerate state, as each `daca train` process does: the state
+    is process-wide, and a bf16 trainer after an fp32 one would otherwise be refused. This is
+    what accelerate's own ``AccelerateTestCase`` does (a private method: accelerate is pinned)."""
+    yield
+    state = sys.modules.get("accelerate.state")  # none to reset when no test imported it
+    if state is not None and state.AcceleratorState._shared_state:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def save_tiny_model(path, seed: int = 0, hidden_size: int = 32, num_layers: int = 1):

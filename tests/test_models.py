@@ -278,7 +278,7 @@ def test_shape_read_off_the_meta_module_equals_a_hand_count(tied):
 # ----------------------------------------------------------------------------- 4-bit
 def test_4bit_error_names_what_is_missing(monkeypatch):
     """The error is kept only where bitsandbytes is missing or has no backend for the device."""
-    from daca.models import quant
+    from daca.models import loading, quant
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -287,7 +287,7 @@ def test_4bit_error_names_what_is_missing(monkeypatch):
         lambda name, *a: None if name == "bitsandbytes" else real_find_spec(name, *a),
     )
     with pytest.raises(RuntimeError, match="pip install bitsandbytes"):
-        quant.load_4bit("GSAI-ML/LLaDA-8B-Instruct", device="cpu")
+        loading.load_4bit("GSAI-ML/LLaDA-8B-Instruct", device="cpu")
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     pytest.importorskip("bitsandbytes")
     quant.check_4bit_support("cpu")  # bitsandbytes >= 0.50 runs NF4 on the CPU
@@ -298,19 +298,19 @@ def test_4bit_error_names_what_is_missing(monkeypatch):
 
     monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
     with pytest.raises(RuntimeError, match="has no 4-bit NF4 backend for device cpu"):
-        quant.load_4bit("GSAI-ML/LLaDA-8B-Instruct", device="cpu")
+        loading.load_4bit("GSAI-ML/LLaDA-8B-Instruct", device="cpu")
 
 
 def test_4bit_config_wiring(monkeypatch):
-    from daca.models import quant
+    from daca.models import loading, quant
 
     calls = {}
     monkeypatch.setattr(quant, "check_4bit_support", lambda device: None)
     monkeypatch.setattr(quant, "keep_training_layout", lambda model: None)
     loaded = types.SimpleNamespace(model=None)
-    monkeypatch.setattr(quant, "load", lambda name, **kw: calls.update(name=name, **kw) or loaded)
+    monkeypatch.setattr(loading, "load", lambda name, **kw: calls.update(name=name, **kw) or loaded)
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    quant.load_4bit("some/model", device="cuda:1")
+    loading.load_4bit("some/model", device="cuda:1")
     q = calls["quantization_config"]
     assert (calls["name"], calls["device"], calls["dtype"]) == (
         "some/model",
@@ -320,7 +320,7 @@ def test_4bit_config_wiring(monkeypatch):
     assert q.load_in_4bit and not q.load_in_8bit
     assert (q.bnb_4bit_quant_type, q.bnb_4bit_use_double_quant) == ("nf4", True)
     assert q.bnb_4bit_compute_dtype == torch.bfloat16 and q.bnb_4bit_quant_storage == torch.uint8
-    quant.load_4bit("some/model", device="cpu", dtype=torch.float32)  # fp32 compute on a CPU
+    loading.load_4bit("some/model", device="cpu", dtype=torch.float32)  # fp32 compute on a CPU
     assert calls["quantization_config"].bnb_4bit_compute_dtype == torch.float32
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # FSDP shards bf16-stored 4-bit weights
     assert quant.bnb_config().bnb_4bit_quant_storage == torch.bfloat16

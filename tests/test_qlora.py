@@ -53,7 +53,7 @@ def _linear4bit(model) -> int:
 
 
 def test_4bit_load_on_cpu_has_linear4bit_layers(hub_model):
-    from daca.models.quant import load_4bit
+    from daca.models.loading import load_4bit
 
     for dtype in (torch.bfloat16, torch.float32):
         bundle = load_4bit(str(hub_model), device="cpu", dtype=dtype)
@@ -68,7 +68,8 @@ def test_an_inference_forward_leaves_the_lora_gradients_unchanged(hub_model):
     from peft import LoraConfig, get_peft_model
 
     from daca.models.families import lora_targets
-    from daca.models.quant import load_4bit, prepare_for_training
+    from daca.models.loading import load_4bit
+    from daca.models.quant import prepare_for_training
 
     ids = torch.randint(0, 300, (2, 6))
     grads = []
@@ -157,7 +158,7 @@ def test_paper_recipe_in_4bit_trains_resumes_exactly_evaluates_and_exports(
     # Stated tolerance: the merged model differs from adapter-on-4-bit by the base's own NF4
     # error (these random widths quantise coarsely: about a third of the logits' std), at most
     # 1.25 times what the 4-bit base differs from the full one by (measured: 0.8 to 0.95 times).
-    from daca.models.quant import load_4bit
+    from daca.models.loading import load_4bit
 
     base_4bit = load_4bit(str(hub_model), device="cpu", dtype=torch.float32)
     with torch.no_grad():

@@ -109,12 +109,14 @@ _META_TYPES = {
     "prompt_width": int,
     "generation": dict,
     "base_model": str,
+    "base_in_4bit": bool,  # a LoRA adapter trained on NF4 base weights
     # What ``daca pretrain`` records about the run that made a shipped model.
     "pretrain": dict,
     "steps_trained": int,
     "seconds": (int, float),
     "parameters": int,
     "held_out": dict,
+    "held_out_step": int,
     "eval_size": int,
     "history": list,
 }
@@ -152,7 +154,8 @@ def read_meta(path: str) -> dict:
 
 def _type_problem(key: str, value, expected) -> str | None:
     names = expected if isinstance(expected, tuple) else (expected,)
-    if not isinstance(value, names) or isinstance(value, bool):  # true is no number here
+    # true is no number here (bool is a subclass of int)
+    if not isinstance(value, names) or (isinstance(value, bool) and bool not in names):
         wanted = " or ".join("null" if t is type(None) else t.__name__ for t in names)
         return f"{key} must be {wanted}, not {json.dumps(value)[:60]}"
     if key.removeprefix("generation.") in _POSITIVE and value <= 0:
@@ -256,7 +259,7 @@ def load(
     """Load a masked diffusion LM, its tokenizer and special ids (``"tiny"``: the shipped model).
 
     dtype: weights dtype (``torch.bfloat16`` on a GPU); quantization_config: a transformers
-    quantisation config (``daca.models.quant.load_4bit`` passes 4-bit NF4), which places the
+    quantisation config (``load_4bit`` passes 4-bit NF4), which places the
     model on ``device`` while loading. trust_remote_code: run a folder's own modeling code, for
     families daca does not know (never for LLaDA and Dream). check_padding: test whether left
     padding changes the logits and, if so, install ``bucketed_forward`` with a warning (default:
@@ -432,6 +435,21 @@ def _check_known(family, hub, mask, eos_ids, pad, path) -> None:
         )
 
 
+def load_4bit(
+    name_or_path: str, *, device: str | torch.device = "cuda", dtype=torch.bfloat16
+) -> LoadedModel:
+    """``load`` with 4-bit NF4 weights on ``device`` (``daca.models.quant``); the other weights
+    and the 4-bit layers' compute in ``dtype`` (bf16, as the paper; fp32 where bf16 is
+    unwanted)."""
+    from daca.models import quant
+
+    quant.check_4bit_support(device)
+    config = quant.bnb_config(compute_dtype=dtype)
+    bundle = load(name_or_path, device=device, dtype=dtype, quantization_config=config)
+    quant.keep_training_layout(bundle.model)
+    return bundle
+
+
 def _load_adapter(path: str, meta: dict, *, device, dtype, trust, nf4: bool) -> LoadedModel:
     """A LoRA checkpoint: its base (``daca.json``'s ``base_model``, else PEFT's
     ``base_model_name_or_path``) loaded through ``load`` (in 4-bit NF4 when ``nf4``), then the
@@ -446,8 +464,6 @@ def _load_adapter(path: str, meta: dict, *, device, dtype, trust, nf4: bool) -> 
     if not base_name:
         raise ValueError(f"{path}: a LoRA adapter that names no base model")
     if nf4:
-        from daca.models.quant import load_4bit
-
         bundle = load_4bit(base_name, device=device, dtype=dtype or torch.float32)
         bundle.model = PeftModel.from_pretrained(bundle.model, path).eval()  # placed: no .to()
     else:

@@ -13,8 +13,6 @@ import os
 
 import torch
 
-from daca.models.loading import LoadedModel, load
-
 
 def bnb_config(
     *, compute_dtype: torch.dtype = torch.bfloat16, quant_storage: torch.dtype | None = None
@@ -61,18 +59,6 @@ def check_4bit_support(device: str | torch.device) -> None:
             f"for device {device} ({first}). Run on a device it supports (a CUDA GPU, or "
             "device=cpu), or set load_in_4bit=false"
         ) from None
-
-
-def load_4bit(
-    name_or_path: str, *, device: str | torch.device = "cuda", dtype=torch.bfloat16
-) -> LoadedModel:
-    """``daca.models.load`` with 4-bit NF4 weights on ``device``; the other weights and the
-    4-bit layers' compute in ``dtype`` (bf16, as the paper; fp32 where bf16 is unwanted)."""
-    check_4bit_support(device)
-    config = bnb_config(compute_dtype=dtype)
-    bundle = load(name_or_path, device=device, dtype=dtype, quantization_config=config)
-    keep_training_layout(bundle.model)
-    return bundle
 
 
 def keep_training_layout(model) -> None:

@@ -385,7 +385,16 @@ def resolved(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.name is None:
         cfg = dataclasses.replace(cfg, name=default_name(cfg))
+        _need(
+            _is_folder_name(cfg.name),
+            f"name {cfg.name!r} (made from model, task, method and variant) is not a folder "
+            "name; give name=NAME",
+        )
     return cfg
+
+
+def _is_folder_name(name: str) -> bool:
+    return "/" not in name and name not in ("", ".", "..")
 
 
 def _dotted(section: str, name: str) -> str:
@@ -490,7 +499,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     )
     need(world_size >= 1, "world size must be >= 1")
     need(
-        cfg.name is None or ("/" not in cfg.name and cfg.name not in ("", ".", "..")),
+        cfg.name is None or _is_folder_name(cfg.name),
         f"name {cfg.name!r}: a folder name",
     )
 

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from daca.models.loading import LoadedModel, ModelFolderError, load
+from daca.models.loading import LoadedModel, ModelFolderError, load, load_4bit
 from daca.models.prompts import fit_prompts, prompt_texts, prompt_token_ids
 from daca.tasks import sandbox
 from daca.tasks.formats import DataUnavailable
@@ -109,7 +109,7 @@ class SetupSteps:
         cfg = self.cfg
         dtype = torch.bfloat16 if cfg.bf16 else None
         if cfg.load_in_4bit:
-            from daca.models.quant import load_4bit, prepare_for_training
+            from daca.models.quant import prepare_for_training
 
             bundle = load_4bit(cfg.model, device=self.acc.device, dtype=dtype or torch.float32)
             bundle.model = prepare_for_training(bundle.model)
