@@ -66,7 +66,7 @@ def test_the_trace_text_names_row_column_digit_and_rule():
     steps = sudoku_trace.deduce(PUZZLE)
     assert [s.text for s in steps] == ["r1c2=2n", "r2c3=1n", "r3c2=1n", "r4c1=4n"]
     completion = sudoku_trace.reference_completion({"puzzle": PUZZLE, "solution": SOLUTION})
-    reasoning = "r1c2=2n r2c3=1n r3c2=1n r4c1=4n".ljust(sudoku_trace.TRACE_WIDTH)
+    reasoning = "r1c2=2n r2c3=1n r3c2=1n r4c1=4n" + " " * 4 * (10 - 4)
     assert completion.startswith(f"<reasoning>\n{reasoning}\n</reasoning>")
     assert completion.endswith(f"<answer>\n{SOLUTION}\n</answer>")
 
@@ -175,8 +175,9 @@ def test_the_tiny_tokenizer_keeps_tags_whole_and_round_trips():
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert tok.unk_token_id not in ids
     assert ids[0] == tok.convert_tokens_to_ids("<reasoning>")
-    # 4 tags, 5 newlines, the reasoning's fixed width, 16 digits
-    assert len(ids) == 4 + 5 + sudoku_trace.TRACE_WIDTH + 16
+    assert ids[2] == tok.convert_tokens_to_ids("r1c2=")  # a step's head is one token
+    # 4 tags, 5 newlines, 10 steps' tokens (3 each, 9 separators), 16 digits: L = 64
+    assert len(ids) == 4 + 5 + 39 + 16 == 64
     # without extra words the tokenizer is the shipped models' one, unchanged
     plain = build_tokenizer()
     assert len(plain) == 4 + 19

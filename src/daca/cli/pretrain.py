@@ -22,6 +22,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-steps", type=int, default=d.max_steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    p.add_argument(
+        "--warmup-steps", type=int, default=d.warmup_steps, help="linear learning-rate warmup"
+    )
+    p.add_argument("--grad-clip", type=float, help="clip the gradient norm to this")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-size", type=int, default=d.eval_size)
     p.add_argument(
@@ -39,6 +43,8 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
     p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--num-heads", type=int, default=d.num_heads)
+    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
     p.add_argument("--gen-length", type=int, default=d.gen_length, help="completion tokens L")
     p.add_argument("--steps", type=int, default=d.steps, help="denoising steps (paper: L/2)")
     p.add_argument("--block-length", type=int, default=d.block_length)
@@ -55,6 +61,8 @@ def run(args) -> int:
         max_steps=args.max_steps,
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        grad_clip=args.grad_clip,
         eval_every=args.eval_every,
         eval_size=args.eval_size,
         target_accuracy=None if args.target_accuracy < 0 else args.target_accuracy,
@@ -65,6 +73,8 @@ def run(args) -> int:
         also_eval=tuple(args.also_eval),
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size,
         gen_length=args.gen_length,
         steps=args.steps,
         block_length=args.block_length,

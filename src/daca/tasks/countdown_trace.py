@@ -143,4 +143,5 @@ def make_task(preset: str = "tiny") -> Task:
         compact_prompt=countdown.compact_prompt,
         reference_completion=reference_completion,
         compact_vocabulary=FORMAT_VOCABULARY,
+        trace_steps=lambda completion, row: step_correctness(completion),
     )

@@ -105,16 +105,22 @@ def trace_solves(puzzle: str) -> bool:
     return len(deduce(puzzle)) == puzzle.count("0")
 
 
-# The reasoning of ``reference_completion`` is padded with spaces to this many characters
-# (10 steps, the generator's most blanks), so that the answer starts at the same position
-# whatever the number of steps: a tiny model then copies the givens at a fixed offset.
-TRACE_WIDTH = 10 * 8 - 1
+# The compact (tiny-model) vocabulary holds each step's head ``r1c3=`` as one token, so a step
+# ``r1c3=2n`` is 3 tokens and a space separates steps: 10 steps (the generator's most blanks)
+# take 39 tokens, and a completion is exactly 64 (L = 64, two blocks of 32).
+STEP_HEADS = tuple(f"r{r}c{c}=" for r in range(1, 5) for c in range(1, 5))
+MAX_STEPS = 10
+# The reasoning of ``reference_completion`` is padded with 4 spaces per step short of
+# MAX_STEPS (the tokens of one step and its separator), so that the answer starts at the same
+# position whatever the number of steps: a tiny model then copies the givens at a fixed offset.
+_STEP_PAD = "    "
 
 
 def reference_completion(row: dict[str, Any]) -> str:
-    """The solver's completion for ``row``: its trace (padded to ``TRACE_WIDTH``), then the
-    solution (pretraining target)."""
-    trace = " ".join(step.text for step in deduce(row["puzzle"])).ljust(TRACE_WIDTH)
+    """The solver's completion for ``row``: its trace (padded to MAX_STEPS steps' tokens),
+    then the solution (pretraining target)."""
+    steps = [step.text for step in deduce(row["puzzle"])]
+    trace = " ".join(steps) + _STEP_PAD * max(0, MAX_STEPS - len(steps))
     return f"<reasoning>\n{trace}\n</reasoning>\n<answer>\n{row['solution']}\n</answer>"
 
 
@@ -186,5 +192,6 @@ def make_task() -> Task:
         columns=("puzzle", "solution"),
         compact_prompt=sudoku.compact_prompt,
         reference_completion=reference_completion,
-        compact_vocabulary=(*FORMAT_VOCABULARY, "r", "c", "n", "b"),
+        compact_vocabulary=(*FORMAT_VOCABULARY, *STEP_HEADS, "r", "c", "n", "b"),
+        trace_steps=lambda completion, row: step_correctness(completion, row["solution"]),
     )

@@ -61,6 +61,13 @@ def supervised_targets(task, rows: list[dict]) -> list[str]:
     return [task.reference_completion(r) for r in rows]
 
 
+def step_accuracy(task, completions: list[str], rows: list[dict]) -> float:
+    """The fraction of the steps written in the completions' reasoning that are right
+    (``Task.trace_steps``); 0 when no step is written."""
+    right = [ok for c, row in zip(completions, rows, strict=True) for ok in task.trace_steps(c, row)]
+    return sum(right) / len(right) if right else 0.0
+
+
 def _bundle(model, tokenizer) -> LoadedModel:
     return LoadedModel(
         model=model,
@@ -122,13 +129,18 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     gen_torch = torch.Generator().manual_seed(cfg.seed)
     order_rng = random.Random(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    warmup = max(1, cfg.warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
     history: list[dict] = list(prior["history"])
     offset = int(prior["steps_trained"])  # steps of the model this run continues
 
     def held_out(step: int) -> dict:
         metrics = {"step": offset + step}
         for n in names:
-            metrics[n] = evaluate(bundle, tasks[n], test[n], gen, batch_size=200).mean
+            result = evaluate(bundle, tasks[n], test[n], gen, batch_size=200)
+            metrics[n] = result.mean
+            if tasks[n].trace_steps is not None:  # how often the written steps are right
+                metrics[f"{n} steps"] = step_accuracy(tasks[n], result.completions, test[n])
         if history and history[-1]["step"] == metrics["step"]:
             history.pop()  # the continued model's last evaluation, measured again
         history.append(metrics)
@@ -167,7 +179,10 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
             )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
+            schedule.step()
             model.eval()
             step += 1
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -175,14 +190,14 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(
-                    loss=f"{loss.item():.3f}", **{n: f"{metrics[n]:.3f}" for n in names}
+                    loss=f"{loss.item():.3f}", **{k: f"{v:.3f}" for k, v in metrics.items() if k != "step"}
                 )
         if bar is not None:
             bar.close()
         interrupted = stop.signum
         if interrupted is None and history[-1]["step"] != offset + step:
             metrics = held_out(step)
-        final = {n: metrics[n] for n in names}
+        final = {k: v for k, v in metrics.items() if k != "step"}
         for n in cfg.also_eval if interrupted is None else ():
             # e.g. countdown-public: the public distribution of the task
             rows = get_task(n).load(split="test", limit=cfg.eval_size, seed=cfg.seed)

@@ -14,6 +14,8 @@ class PretrainConfig:
     max_steps: int = 1500
     batch_size: int = 128
     learning_rate: float = 1e-3
+    warmup_steps: int = 0  # linear warmup of the learning rate from 0 over this many steps
+    grad_clip: float | None = None  # clip the gradient's global norm to this
     eval_every: int = 5
     eval_size: int = 200
     target_accuracy: float | None = 0.40  # stop once the stopping task's held-out metric >= this
