@@ -64,7 +64,9 @@ def supervised_targets(task, rows: list[dict]) -> list[str]:
 def step_accuracy(task, completions: list[str], rows: list[dict]) -> float:
     """The fraction of the steps written in the completions' reasoning that are right
     (``Task.trace_steps``); 0 when no step is written."""
-    right = [ok for c, row in zip(completions, rows, strict=True) for ok in task.trace_steps(c, row)]
+    right = [
+        ok for c, row in zip(completions, rows, strict=True) for ok in task.trace_steps(c, row)
+    ]
     return sum(right) / len(right) if right else 0.0
 
 
@@ -190,7 +192,8 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(
-                    loss=f"{loss.item():.3f}", **{k: f"{v:.3f}" for k, v in metrics.items() if k != "step"}
+                    loss=f"{loss.item():.3f}",
+                    **{k: f"{v:.3f}" for k, v in metrics.items() if k != "step"},
                 )
         if bar is not None:
             bar.close()
