@@ -1,4 +1,6 @@
-"""Trainer step time: wd1 + DPS and wd1 + SML (K=4) against the wd1 base (issue 4, "Speed").
+"""Trainer step time: wd1 + DPS and wd1 + SML (K=4) against the wd1 base (issue 4, "Speed");
+with ``--setting trace``, the step of the paper's regime in miniature (sudoku-trace, L 64 in
+two blocks of 32, 32 steps, DPS stride 2) with the block KV cache against without (issue 20).
 
 Builds one ``daca.train.trainer.Trainer`` per variant on the shipped tiny model (or, while
 ``src/daca/assets/tiny`` does not exist yet, a random model of the same size) with the tiny
@@ -10,6 +12,7 @@ reward and update (the trainer's time_rollout / time_reward / time_update).
 
     python benchmarks/bench_train_step.py --quick   # batch 48, 4 rounds (about a minute)
     python benchmarks/bench_train_step.py           # batch 96 (the recipe's), 8 rounds
+    python benchmarks/bench_train_step.py --setting trace   # the trace task, cache vs none
 """
 
 from __future__ import annotations
@@ -30,25 +33,34 @@ VARIANTS = {
 }
 
 
-def stand_in_model(folder: Path) -> Path:
-    """A random model in the shipped tiny model's format and size (daca.train.pretrain defaults)."""
+# The trace setting: the cache on and off, both with the DPS trace of the paper's stride.
+TRACE_VARIANTS = {
+    "wd1+dps": ["dps.enabled=true", "generation.cache=none"],
+    "wd1+dps dual": ["dps.enabled=true", "generation.cache=dual"],
+}
+
+
+def stand_in_model(folder: Path, task: str) -> Path:
+    """A random model in the shipped tiny models' format and size for ``task``."""
     from transformers.utils import logging as hf_logging
 
     from daca.models.tiny import new_tiny, save_tiny
-    from daca.train.pretrain import PretrainConfig
+    from daca.tasks import get_task
 
     hf_logging.disable_progress_bar()
-    p = PretrainConfig()
-    model, tok = new_tiny(
-        hidden_size=p.hidden_size,
-        num_layers=p.num_layers,
-        num_heads=p.num_heads,
-        intermediate_size=p.intermediate_size,
-        prompt_width=p.prompt_width,
-        gen_length=p.gen_length,
-        seed=0,
-    )
+    model, tok = new_tiny(words=get_task(task).compact_vocabulary, seed=0)
     return save_tiny(folder, model, tok)
+
+
+def settings(setting: str) -> tuple[str, dict, list[str]]:
+    """(task, variants, overrides) of a setting."""
+    if setting == "trace":
+        return "sudoku-trace", TRACE_VARIANTS, [
+            "generation.gen_length=64", "generation.steps=32", "generation.block_length=32",
+        ]  # fmt: skip
+    return "sudoku", VARIANTS, [
+        "generation.gen_length=16", "generation.steps=8", "generation.block_length=16",
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -57,32 +69,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="timed steps per variant")
     ap.add_argument("--batch", type=int, default=None, help="completions per step")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--setting", choices=["tiny", "trace"], default="tiny")
+    ap.add_argument("--model", help="model folder (default: the task's shipped tiny model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (4 if args.quick else 8)
-    batch = args.batch or (48 if args.quick else 96)
+    batch = args.batch or (48 if args.quick or args.setting == "trace" else 96)
+    task, variants, lengths = settings(args.setting)
 
-    from daca.shipped import TINY_PATH
+    from daca.shipped import tiny_for_task
     from daca.train.config import load_config
     from daca.train.trainer import Trainer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-train-step-"))
-    if TINY_PATH.is_dir():
-        model, which = "tiny", "the shipped tiny model"
-    else:
-        model = str(stand_in_model(tmp / "model"))
-        which = "a random model of the tiny model's size (src/daca/assets/tiny not found)"
+    try:
+        model = args.model or tiny_for_task("tiny", task) or "tiny"
+        which = args.model or f"the shipped tiny model of {task}"
+    except ValueError:  # no shipped model for the task yet
+        model = str(stand_in_model(tmp / "model", task))
+        which = f"a random model of the tiny model's size ({task} has no shipped model)"
     common = [
         f"model={model}",
         f"output_dir={tmp}",
-        "task=sudoku",
+        f"task={task}",
         "method=wd1",
         "device=cpu",
         "num_generations=6",
         f"per_device_train_batch_size={batch}",
-        "generation.gen_length=16",
-        "generation.steps=8",
-        "generation.block_length=16",
+        *lengths,
         "dps.stride=2",
         "dps.lam=0.5",
         "train_size=500",
@@ -91,7 +105,7 @@ def main() -> None:
     ]
     trainers = {
         name: Trainer(load_config(None, [*common, *over, f"name={name}"]), progress=False)
-        for name, over in VARIANTS.items()
+        for name, over in variants.items()
     }
     names = list(trainers)
     times: dict[str, list[dict]] = {n: [] for n in names}
@@ -106,11 +120,12 @@ def main() -> None:
     def med(n: str, key: str) -> float:
         return statistics.median(s[key] for s in times[n])
 
-    print(f"trainer step on {which}: Sudoku, wd1, {batch} completions (G=6), T=8, L=16,")
-    print(f"DPS stride 2, SML K=4, {args.threads} thread(s), median of {rounds} alternated steps")
+    length = next(x for x in lengths if "gen_length" in x).split("=")[1]
+    print(f"trainer step on {which}: {task}, wd1, {batch} completions (G=6), L={length},")
+    print(f"DPS stride 2, {args.threads} thread(s), median of {rounds} alternated steps")
     heads = ("step s", "ratio", "rollout", "reward", "update")
     print(f"{'variant':14s} " + " ".join(f"{h:>8s}" for h in heads))
-    base = med("wd1", "time_step")
+    base = med(names[0], "time_step")
     for n in names:
         step = med(n, "time_step")
         shares = [med(n, f"time_{k}") / step for k in ("rollout", "reward", "update")]
@@ -118,6 +133,11 @@ def main() -> None:
             f"{n:14s} {step:8.3f} {step / base:7.3f}x "
             + " ".join(f"{100 * s:7.1f}%" for s in shares)
         )
+    if args.setting == "trace":
+        step = med("wd1+dps", "time_step") / med("wd1+dps dual", "time_step")
+        ro = med("wd1+dps", "time_rollout") / med("wd1+dps dual", "time_rollout")
+        print(f"step without the cache / with it (dual): {step:.3f}x; rollout: {ro:.3f}x")
+        return
     # Ratios of the phases the plug-ins touch (DPS: the traced rollout; SML: the update).
     ro = med("wd1+dps", "time_rollout") / med("wd1", "time_rollout")
     up = med("wd1+sml4", "time_update") / med("wd1", "time_update")

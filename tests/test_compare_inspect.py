@@ -129,6 +129,26 @@ def test_delta_error_bar_pairs_runs_by_seed():
     assert rows["dps"]["delta_std"] == pytest.approx(0.03)
     assert rows["dps"]["std"] == pytest.approx(0.07)
     assert rows["base"]["delta_std"] == 0.0
+    # 95 % t interval of the mean Δ, 1 degree of freedom: 12.706 · stdev(0.10, 0.04) / √2.
+    assert rows["dps"]["delta_ci95"] == pytest.approx(12.706 * (0.06 / 2**0.5) / 2**0.5)
+    assert rows["dps"]["wins"] == 2
+
+
+def test_the_interval_of_five_seeds_and_its_verdict_by_hand():
+    diffs = [0.05, 0.07, 0.02, 0.06, 0.05]  # mean 0.05, sample std 0.019; t(4) = 2.776
+    results = [{"method": "wd1", "variant": "base", "seed": s, "held_out": 0.5} for s in range(5)]
+    results += [
+        {"method": "wd1", "variant": "dps", "seed": s, "held_out": 0.5 + d}
+        for s, d in enumerate(diffs)
+    ]
+    rows = {r["variant"]: r for r in compare.table_rows(results)}
+    std = (sum((d - 0.05) ** 2 for d in diffs) / 4) ** 0.5
+    assert rows["dps"]["delta_ci95"] == pytest.approx(2.776 * std / 5**0.5)
+    assert compare._delta_cells(rows["dps"])[1:] == ("[+2.7, +7.3] (above 0)", "5/5")
+    results[5]["held_out"] = 0.3  # one seed far below its base: the interval holds 0
+    rows = {r["variant"]: r for r in compare.table_rows(results)}
+    assert compare._delta_cells(rows["dps"])[1].endswith("(contains 0)")
+    assert rows["dps"]["wins"] == 4
 
 
 def test_custom_variants_and_errors(tmp_path, capsys):

@@ -48,6 +48,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run",
         "draw a recorded rollout coloured by DPS multipliers (PNG and HTML)",
     ),
+    "credit": (
+        "daca.cli.credit",
+        "add_arguments",
+        "run",
+        "the mean DPS multiplier of a run's recorded tokens by role (reasoning, answer, steps)",
+    ),
 }
 
 

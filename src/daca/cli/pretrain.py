@@ -26,6 +26,13 @@ def add_arguments(p) -> None:
         "--warmup-steps", type=int, default=d.warmup_steps, help="linear learning-rate warmup"
     )
     p.add_argument("--grad-clip", type=float, help="clip the gradient norm to this")
+    p.add_argument(
+        "--block-noise",
+        type=float,
+        default=d.block_noise,
+        help="fraction of examples noised as the block sampler sees them (earlier blocks "
+        "clean, later ones masked)",
+    )
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-size", type=int, default=d.eval_size)
     p.add_argument(
@@ -63,6 +70,7 @@ def run(args) -> int:
         learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps,
         grad_clip=args.grad_clip,
+        block_noise=args.block_noise,
         eval_every=args.eval_every,
         eval_size=args.eval_size,
         target_accuracy=None if args.target_accuracy < 0 else args.target_accuracy,

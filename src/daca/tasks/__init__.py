@@ -53,9 +53,9 @@ class Task:
             ``daca pretrain`` (e.g. a solver's trace then the answer); None: ``row["solution"]``.
         compact_vocabulary: tokens beyond the tiny tokenizer's alphabet that the task's compact
             completions need (characters, and tags kept as one token each).
-        trace_steps: ``trace_steps(completion, row) -> list[bool]`` for a task that reasons
-            before it answers: whether each step written in the reasoning is right (analysis
-            only, never a reward).
+        trace_steps: ``trace_steps(completion, row) -> [(start, end, right)]`` for a task that
+            reasons before it answers: each step written in the reasoning, its character span
+            and whether it is right (analysis only, never a reward).
     """
 
     name: str
@@ -69,7 +69,7 @@ class Task:
     executes_code: bool = False  # its rewards run model-written code: needs daca.tasks.sandbox
     reference_completion: Callable[[dict[str, Any]], str] | None = None
     compact_vocabulary: tuple[str, ...] = ()
-    trace_steps: Callable[[str, dict[str, Any]], list[bool]] | None = None
+    trace_steps: Callable[[str, dict[str, Any]], list[tuple[int, int, bool]]] | None = None
 
     def __post_init__(self):
         if not self.reward_weights:

@@ -78,20 +78,25 @@ def grade(completion: str, numbers: list[int], target: int) -> float:
     return countdown.grade(f"<answer>{span}</answer>", numbers, target)
 
 
-def step_correctness(completion: str) -> list[bool]:
-    """For each ``a op b = c`` written in the reasoning, whether it is arithmetically true.
-    Analysis only."""
+def step_spans(completion: str) -> list[tuple[int, int, bool]]:
+    """Each ``a op b = c`` written in the reasoning as (start, end, right): its character span
+    in the completion and whether it is arithmetically true. Analysis only."""
     text = completion_text(completion)
     end = text.find("</reasoning>")
     out = []
-    for a, op, b, c in _STEP_RE.findall(text[: end if end >= 0 else len(text)]):
+    for m in _STEP_RE.finditer(text[: end if end >= 0 else len(text)]):
+        a, op, b, c = m.groups()
         try:
             value, _, _ = evaluate_steps(f"{a}{op}{b}")
         except ExpressionError:  # division by zero
-            out.append(False)
-            continue
-        out.append(value == int(c))
+            value = None
+        out.append((m.start(), m.end(), value == int(c)))
     return out
+
+
+def step_correctness(completion: str) -> list[bool]:
+    """For each ``a op b = c`` written in the reasoning, whether it is true (``step_spans``)."""
+    return [right for _, _, right in step_spans(completion)]
 
 
 def trace_countdown_reward(
@@ -143,5 +148,5 @@ def make_task(preset: str = "tiny") -> Task:
         compact_prompt=countdown.compact_prompt,
         reference_completion=reference_completion,
         compact_vocabulary=FORMAT_VOCABULARY,
-        trace_steps=lambda completion, row: step_correctness(completion),
+        trace_steps=lambda completion, row: step_spans(completion),
     )

@@ -134,15 +134,22 @@ def parse_answer(completion: str) -> str | None:
     return digits if _ANSWER_RE.fullmatch(digits) else None
 
 
-def step_correctness(completion: str, solution: str) -> list[bool]:
-    """For each step written in the reasoning, whether its digit is the solution's (the puzzle
-    has one solution, so a right step is one the solver could justify). Analysis only."""
+def step_spans(completion: str, solution: str) -> list[tuple[int, int, bool]]:
+    """Each step written in the reasoning as (start, end, right): its character span in the
+    completion and whether its digit is the solution's (the puzzle has one solution, so a
+    right step is one the solver could justify). Analysis only."""
     text = completion_text(completion)
     end = text.find("</reasoning>")
     reasoning = text[: end if end >= 0 else len(text)]
     return [
-        solution[4 * (int(r) - 1) + int(c) - 1] == d for r, c, d, _ in _STEP_RE.findall(reasoning)
+        (m.start(), m.end(), solution[4 * (int(m[1]) - 1) + int(m[2]) - 1] == m[3])
+        for m in _STEP_RE.finditer(reasoning)
     ]
+
+
+def step_correctness(completion: str, solution: str) -> list[bool]:
+    """For each step written in the reasoning, whether it is right (``step_spans``)."""
+    return [right for _, _, right in step_spans(completion, solution)]
 
 
 def trace_sudoku_score(
@@ -193,5 +200,5 @@ def make_task() -> Task:
         compact_prompt=sudoku.compact_prompt,
         reference_completion=reference_completion,
         compact_vocabulary=(*FORMAT_VOCABULARY, *STEP_HEADS, "r", "c", "n", "b"),
-        trace_steps=lambda completion, row: step_correctness(completion, row["solution"]),
+        trace_steps=lambda completion, row: step_spans(completion, row["solution"]),
     )

@@ -283,12 +283,31 @@ def _wait_for_cells(futures: dict, stop: StopSignals, log) -> None:
             remaining = {f for f in remaining if not f.cancel()}
 
 
-TABLE_FIELDS = ["method", "variant", "mean", "std", "seeds", "delta", "delta_std", "minutes"]
+TABLE_FIELDS = [
+    "method", "variant", "mean", "std", "seeds", "delta", "delta_std", "delta_ci95", "wins",
+    "minutes",
+]  # fmt: skip
+
+# Student's t, two-sided 95 % (the 0.975 quantile), by degrees of freedom; beyond 30, 1.96.
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
+
+
+def paired_interval(diffs: list[float]) -> float | None:
+    """Half-width of the 95 % t interval of the mean of paired differences (one per seed):
+    t_{0.975, n-1} · s / √n with s the sample standard deviation; None for fewer than 2."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return t * statistics.stdev(diffs) / n**0.5
 
 
 def table_rows(results: list[dict]) -> list[dict]:
     """Mean ± std (population; 0 for one seed) per (method, variant), and Δ to the base row:
-    the mean ± std of the per-seed differences where every seed has its base run."""
+    where every seed has its base run, the mean of the per-seed differences, their std, the
+    95 % t interval of that mean (``paired_interval``) and the seeds where the variant won."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         groups.setdefault((r["method"], r["variant"]), []).append(r)
@@ -317,13 +336,33 @@ def table_rows(results: list[dict]) -> list[dict]:
     for row in rows:
         runs = groups[(row["method"], row["variant"])]
         keys = [(row["method"], r.get("seed")) for r in runs]
+        row["delta_ci95"] = row["wins"] = None
         if all(k in base_of for k in keys):  # the same seeds as base: Δ is the mean of pairs
             diffs = [r["held_out"] - base_of[k] for r, k in zip(runs, keys, strict=True)]
             row["delta"], row["delta_std"] = statistics.fmean(diffs), statistics.pstdev(diffs)
+            row["delta_ci95"] = paired_interval(diffs)
+            row["wins"] = sum(d > 0 for d in diffs)
         else:
             row["delta"] = row["mean"] - base[row["method"]] if row["method"] in base else None
             row["delta_std"] = None
     return rows
+
+
+def _delta_cells(r: dict) -> tuple[str, str, str]:
+    """The table's Δ, 95 % interval and wins cells of a row (blank for a base row)."""
+    if r["delta"] is None or r["variant"] == "base":
+        return "", "", ""
+    delta = f"{100 * r['delta']:+.1f}"
+    if r["delta_std"] is not None:
+        delta += f" ± {100 * r['delta_std']:.1f}"
+    ci = r["delta_ci95"]
+    interval = ""
+    if ci is not None:
+        low, high = 100 * (r["delta"] - ci), 100 * (r["delta"] + ci)
+        verdict = "above 0" if low > 0 else "below 0" if high < 0 else "contains 0"
+        interval = f"[{low:+.1f}, {high:+.1f}] ({verdict})"
+    wins = "" if r["wins"] is None else f"{r['wins']}/{r['seeds']}"
+    return delta, interval, wins
 
 
 def write_reports(results: list[dict], out: Path, task: str) -> None:
@@ -335,17 +374,15 @@ def write_reports(results: list[dict], out: Path, task: str) -> None:
         w.writerows(rows)
     lines = [
         f"| method | variant | held-out {task} (mean ± std) | Δ vs base (± std of the "
-        "per-seed Δ) | seeds | min per run |",
-        "|---|---|---|---|---|---|",
+        "per-seed Δ) | 95 % interval of the mean Δ | variant > base | seeds | min per run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        delta = "" if r["delta"] is None or r["variant"] == "base" else f"{100 * r['delta']:+.1f}"
-        if delta and r["delta_std"] is not None:
-            delta += f" ± {100 * r['delta_std']:.1f}"
+        delta, interval, wins = _delta_cells(r)
         minutes = "" if r["minutes"] is None else f"{r['minutes']:.1f}"
         lines.append(
             f"| {r['method']} | {r['variant']} | {100 * r['mean']:.1f} ± "
-            f"{100 * r['std']:.1f} | {delta} | {r['seeds']} | {minutes} |"
+            f"{100 * r['std']:.1f} | {delta} | {interval} | {wins} | {r['seeds']} | {minutes} |"
         )
     (out / f"{task}-table.md").write_text("\n".join(lines) + "\n")
     (out / f"{task}-results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -40,17 +40,35 @@ def masked_diffusion_loss(
     *,
     mask_id: int,
     generator: torch.Generator | None = None,
+    block_length: int | None = None,
+    block_noise: float = 0.0,
 ) -> Tensor:
-    """LLaDA's SFT loss: Σ_masked CE(o_n) / t, averaged over the batch's completion tokens."""
+    """LLaDA's SFT loss: Σ_masked CE(o_n) / t, averaged over the batch's completion tokens.
+
+    block_noise=p: a fraction p of the examples is noised as the semi-autoregressive sampler
+    sees them instead: a random block k of ``block_length`` holds masks with probability t,
+    the blocks before it are clean and those after it wholly masked (weight 1, as at t = 1).
+    Without it, a reasoning step learns to copy the answer (visible at small t), which the
+    sampler has not written yet when it decodes the reasoning."""
     b, length = target_ids.shape
-    t = 1.0 - torch.rand(b, 1, generator=generator, device=target_ids.device)  # (0, 1]
-    masked = torch.rand(b, length, generator=generator, device=target_ids.device) < t
+    device = target_ids.device
+    t = 1.0 - torch.rand(b, 1, generator=generator, device=device)  # (0, 1]
+    masked = torch.rand(b, length, generator=generator, device=device) < t
+    weight = masked / t
+    if block_noise > 0:
+        blocks = length // block_length
+        pick = torch.rand(b, 1, generator=generator, device=device) < block_noise
+        k = torch.randint(0, blocks, (b, 1), generator=generator, device=device)
+        block_of = (torch.arange(length, device=device) // block_length).unsqueeze(0)
+        later, earlier = pick & (block_of > k), pick & (block_of < k)
+        masked = (masked & ~earlier) | later
+        weight = torch.where(later, 1.0, torch.where(earlier, 0.0, weight))
     noisy = torch.where(masked, torch.full_like(target_ids, mask_id), target_ids)
     ids = torch.cat([prompt_ids, noisy], dim=1)
     attn = full_attention_mask(prompt_mask, prompt_ids, length)
     logits = forward_logits(model, ids, attn)[:, prompt_ids.shape[1] :]
     ce = F.cross_entropy(logits.transpose(1, 2), target_ids, reduction="none")
-    return (ce * masked / t).sum() / (b * length)
+    return (ce * weight).sum() / (b * length)
 
 
 def supervised_targets(task, rows: list[dict]) -> list[str]:
@@ -65,7 +83,9 @@ def step_accuracy(task, completions: list[str], rows: list[dict]) -> float:
     """The fraction of the steps written in the completions' reasoning that are right
     (``Task.trace_steps``); 0 when no step is written."""
     right = [
-        ok for c, row in zip(completions, rows, strict=True) for ok in task.trace_steps(c, row)
+        ok
+        for c, row in zip(completions, rows, strict=True)
+        for _, _, ok in task.trace_steps(c, row)
     ]
     return sum(right) / len(right) if right else 0.0
 
@@ -178,6 +198,8 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
                 targets[batch],
                 mask_id=bundle.mask_id,
                 generator=gen_torch,
+                block_length=cfg.block_length,
+                block_noise=cfg.block_noise,
             )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -74,6 +74,7 @@ class RolloutBatch:
     ref_logp: list[Tensor] = field(default_factory=list)
     rollout: Rollout | None = None  # the sampler's output, until DPS has read its trace
     prompts: list[str] = field(default_factory=list)
+    columns: dict[str, list] = field(default_factory=dict)  # the task's columns, per completion
 
 
 @dataclass
@@ -224,6 +225,7 @@ class RolloutSteps:
             advantages=adv,
             rollout=out,
             prompts=prompts,
+            columns=columns,
         )
         return batch, stats
 
@@ -258,6 +260,7 @@ class RolloutSteps:
             "method": self.cfg.method,
             "lam": self.cfg.dps.lam if self.cfg.dps.enabled else 0.0,
             "prompts": prompts,
+            "columns": {c: v[:G] for c, v in batch.columns.items()},  # for daca credit's roles
             "tokens": [tok.convert_ids_to_tokens(r) for r in out.completion_ids[:G].tolist()],
             "pad_token": tok.pad_token,  # left out of daca inspect's pictures
             "birth_step": out.birth_step[:G].tolist(),
