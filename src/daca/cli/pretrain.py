@@ -33,6 +33,13 @@ def add_arguments(p) -> None:
         help="fraction of examples noised as the block sampler sees them (earlier blocks "
         "clean, later ones masked)",
     )
+    p.add_argument(
+        "--hide-answer-steps",
+        type=int,
+        default=d.hide_answer_steps,
+        help="for this many first steps the answer is always masked and out of the loss "
+        "(the reasoning is learned first)",
+    )
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-size", type=int, default=d.eval_size)
     p.add_argument(
@@ -71,6 +78,7 @@ def run(args) -> int:
         warmup_steps=args.warmup_steps,
         grad_clip=args.grad_clip,
         block_noise=args.block_noise,
+        hide_answer_steps=args.hide_answer_steps,
         eval_every=args.eval_every,
         eval_size=args.eval_size,
         target_accuracy=None if args.target_accuracy < 0 else args.target_accuracy,

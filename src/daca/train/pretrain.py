@@ -32,6 +32,43 @@ from daca.train.interrupts import Interrupted, StopSignals, signal_name
 from daca.train.pretrain_config import PretrainConfig
 
 
+def diffusion_noise(
+    batch: int,
+    length: int,
+    *,
+    generator: torch.Generator | None = None,
+    device=None,
+    block_length: int | None = None,
+    block_noise: float = 0.0,
+    hidden: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Which target positions to mask, and each one's loss weight: (masked [B, L] bool,
+    weight [B, L]). LLaDA's SFT noise: one t ~ U(0, 1] per example, each position masked with
+    probability t, weight 1/t.
+
+    block_noise=p: a fraction p of the examples is noised as the semi-autoregressive sampler
+    sees them instead: a random block k of ``block_length`` holds masks with probability t,
+    the blocks before it are clean and those after it wholly masked (weight 1, as at t = 1).
+    Without it, a reasoning step learns to copy the answer (visible at small t), which the
+    sampler has not written yet when it decodes the reasoning.
+
+    hidden [B, L] bool: positions always masked and left out of the loss (a curriculum that
+    teaches the reasoning before the answer: ``answer_positions``)."""
+    t = 1.0 - torch.rand(batch, 1, generator=generator, device=device)  # (0, 1]
+    masked = torch.rand(batch, length, generator=generator, device=device) < t
+    weight = masked / t
+    if block_noise > 0:
+        pick = torch.rand(batch, 1, generator=generator, device=device) < block_noise
+        k = torch.randint(0, length // block_length, (batch, 1), generator=generator, device=device)
+        block_of = (torch.arange(length, device=device) // block_length).unsqueeze(0)
+        later, earlier = pick & (block_of > k), pick & (block_of < k)
+        masked = (masked & ~earlier) | later
+        weight = torch.where(later, 1.0, torch.where(earlier, 0.0, weight))
+    if hidden is not None:
+        masked, weight = masked | hidden, torch.where(hidden, 0.0, weight)
+    return masked, weight
+
+
 def masked_diffusion_loss(
     model,
     prompt_ids: Tensor,
@@ -40,35 +77,26 @@ def masked_diffusion_loss(
     *,
     mask_id: int,
     generator: torch.Generator | None = None,
-    block_length: int | None = None,
-    block_noise: float = 0.0,
+    **noise,
 ) -> Tensor:
-    """LLaDA's SFT loss: Σ_masked CE(o_n) / t, averaged over the batch's completion tokens.
-
-    block_noise=p: a fraction p of the examples is noised as the semi-autoregressive sampler
-    sees them instead: a random block k of ``block_length`` holds masks with probability t,
-    the blocks before it are clean and those after it wholly masked (weight 1, as at t = 1).
-    Without it, a reasoning step learns to copy the answer (visible at small t), which the
-    sampler has not written yet when it decodes the reasoning."""
+    """LLaDA's SFT loss: Σ_masked CE(o_n) / t, averaged over the batch's completion tokens
+    (``noise``: the options of ``diffusion_noise``)."""
     b, length = target_ids.shape
-    device = target_ids.device
-    t = 1.0 - torch.rand(b, 1, generator=generator, device=device)  # (0, 1]
-    masked = torch.rand(b, length, generator=generator, device=device) < t
-    weight = masked / t
-    if block_noise > 0:
-        blocks = length // block_length
-        pick = torch.rand(b, 1, generator=generator, device=device) < block_noise
-        k = torch.randint(0, blocks, (b, 1), generator=generator, device=device)
-        block_of = (torch.arange(length, device=device) // block_length).unsqueeze(0)
-        later, earlier = pick & (block_of > k), pick & (block_of < k)
-        masked = (masked & ~earlier) | later
-        weight = torch.where(later, 1.0, torch.where(earlier, 0.0, weight))
+    masked, weight = diffusion_noise(
+        b, length, generator=generator, device=target_ids.device, **noise
+    )
     noisy = torch.where(masked, torch.full_like(target_ids, mask_id), target_ids)
     ids = torch.cat([prompt_ids, noisy], dim=1)
     attn = full_attention_mask(prompt_mask, prompt_ids, length)
     logits = forward_logits(model, ids, attn)[:, prompt_ids.shape[1] :]
     ce = F.cross_entropy(logits.transpose(1, 2), target_ids, reduction="none")
     return (ce * weight).sum() / (b * length)
+
+
+def answer_positions(targets: Tensor, answer_id: int) -> Tensor:
+    """[B, L] bool: each target's positions from its first ``answer_id`` token on (none where
+    the token is absent)."""
+    return (targets == answer_id).long().cumsum(dim=1) > 0
 
 
 def supervised_targets(task, rows: list[dict]) -> list[str]:
@@ -147,6 +175,12 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     p_ids = torch.cat([d[0] for d in data])
     p_mask = torch.cat([d[1] for d in data])
     targets = torch.cat([d[2] for d in data])
+    hidden = None
+    if cfg.hide_answer_steps:
+        answer_id = tokenizer.convert_tokens_to_ids("<answer>")
+        if answer_id == tokenizer.unk_token_id:
+            raise ValueError(f"hide_answer_steps: {cfg.task}'s completions have no <answer> tag")
+        hidden = answer_positions(targets, answer_id)
 
     gen_torch = torch.Generator().manual_seed(cfg.seed)
     order_rng = random.Random(cfg.seed)
@@ -200,6 +234,7 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
                 generator=gen_torch,
                 block_length=cfg.block_length,
                 block_noise=cfg.block_noise,
+                hidden=None if hidden is None or step >= cfg.hide_answer_steps else hidden[batch],
             )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

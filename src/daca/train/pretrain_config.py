@@ -17,6 +17,7 @@ class PretrainConfig:
     warmup_steps: int = 0  # linear warmup of the learning rate from 0 over this many steps
     grad_clip: float | None = None  # clip the gradient's global norm to this
     block_noise: float = 0.0  # fraction of examples noised block by block, as the sampler sees
+    hide_answer_steps: int = 0  # first steps: the answer always masked, out of the loss
     eval_every: int = 5
     eval_size: int = 200
     target_accuracy: float | None = 0.40  # stop once the stopping task's held-out metric >= this
