@@ -125,3 +125,26 @@ def test_cli_version_help_and_dry_run(capsys):
     assert "2 prompts x 6 = 12 completions per step" in out
     assert main(["train", "--dry-run", "dps.lamb=0.2"]) == 2
     assert "did you mean 'dps.lam'" in capsys.readouterr().err
+
+
+def test_a_shipped_model_brings_the_lengths_it_was_trained_for(tmp_path, monkeypatch):
+    import json
+
+    from daca.train import config
+
+    (tmp_path / "daca.json").write_text(
+        json.dumps({"generation": {"gen_length": 64, "steps": 32, "block_length": 32,
+                                   "temperature": 0.0}})
+    )  # fmt: skip
+    monkeypatch.setattr(config, "SHIPPED", {"tiny": tmp_path})
+    g = load_config(None, []).generation
+    assert (g.gen_length, g.steps, g.block_length) == (64, 32, 32)
+    assert g.temperature == config.GenerationConfig().temperature  # lengths only
+    g = load_config(None, ["generation.steps=16"]).generation  # the command line wins
+    assert (g.gen_length, g.steps, g.block_length) == (64, 16, 32)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("generation: {gen_length: 32, block_length: 32}\n")
+    g = load_config(recipe, []).generation  # and so does the recipe
+    assert (g.gen_length, g.steps, g.block_length) == (32, 32, 32)
+    g = load_config(None, [f"model={tmp_path}"]).generation  # a folder is no shipped name
+    assert g.gen_length == config.GenerationConfig().gen_length

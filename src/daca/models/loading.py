@@ -117,6 +117,7 @@ _META_TYPES = {
     "parameters": int,
     "held_out": dict,
     "held_out_step": int,
+    "held_out_steps": dict,
     "eval_size": int,
     "history": list,
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import json
 import math
 import types
 import typing
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from daca.shipped import tiny_for_task
+from daca.shipped import SHIPPED, tiny_for_task
 from daca.train.methods import METHODS, MethodName
 
 
@@ -330,9 +331,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         for key, value in METHODS[method].published.items():
             if key not in given:  # the command line wins over the method's published value
                 data[key] = value
+    _shipped_lengths(data)
     cfg = resolved(from_dict(TrainConfig, data))
     validate(cfg)
     return cfg
+
+
+# The generation fields a shipped tiny model was trained for (its daca.json ``generation``).
+_SHIPPED_LENGTHS = ("gen_length", "steps", "block_length")
+
+
+def _shipped_lengths(data: dict) -> None:
+    """A shipped tiny model (``model: tiny``) brings the completion length, steps and block it
+    was pretrained for (``sudoku-trace``: L 64 in two blocks of 32) as the run's defaults;
+    what the recipe or the command line sets wins."""
+    model, task = data.get("model", "tiny"), data.get("task", "sudoku")
+    if not (isinstance(model, str) and isinstance(task, str)):
+        return  # a wrong type: reported with its key by from_dict
+    try:
+        name = tiny_for_task(model, task)
+    except ValueError:  # reported with the key named by ``resolved``
+        return
+    meta_file = SHIPPED[name] / "daca.json" if name in SHIPPED else None
+    section = data.get("generation", {})
+    if meta_file is None or not meta_file.is_file() or not isinstance(section, dict):
+        return
+    trained = json.loads(meta_file.read_text()).get("generation", {})
+    section = data.setdefault("generation", section)
+    for key in _SHIPPED_LENGTHS:
+        if key in trained:
+            section.setdefault(key, trained[key])
 
 
 # The ablation grid's variants: (dps.enabled, sml.enabled).

@@ -257,7 +257,8 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
         interrupted = stop.signum
         if interrupted is None and history[-1]["step"] != offset + step:
             metrics = held_out(step)
-        final = {k: v for k, v in metrics.items() if k != "step"}
+        final = {n: metrics[n] for n in names}
+        steps_right = {n: metrics[f"{n} steps"] for n in names if f"{n} steps" in metrics}
         for n in cfg.also_eval if interrupted is None else ():
             # e.g. countdown-public: the public distribution of the task
             rows = get_task(n).load(split="test", limit=cfg.eval_size, seed=cfg.seed)
@@ -269,13 +270,16 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
             "seconds": round(prior["seconds"] + time.time() - start, 1),
             "parameters": sum(p.numel() for p in model.parameters()),
             "held_out": final,
+            # the reasoning's steps that are right (Task.trace_steps), tasks with a trace only
+            "held_out_steps": steps_right,
             "held_out_step": history[-1]["step"],
             "eval_size": cfg.eval_size,
             "history": history,
         }
         out = _save_atomically(cfg.out, model, tokenizer, summary)
     summary = {"family": "llada", "prompt_format": "compact", **summary}
-    log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {v:.3f}" for n, v in final.items()))
+    scores = {**final, **{f"{n} steps": v for n, v in steps_right.items()}}
+    log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {v:.3f}" for n, v in scores.items()))
     if interrupted is not None:
         folder = shlex.quote(str(out))
         raise Interrupted(
