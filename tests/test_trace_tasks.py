@@ -184,12 +184,20 @@ def test_the_tiny_tokenizer_keeps_tags_whole_and_round_trips():
     assert plain("12+3=", add_special_tokens=False)["input_ids"] == [5, 6, 14, 7, 20]
 
 
-def test_tiny_means_no_shipped_model_yet_for_the_trace_tasks():
-    for task in ("sudoku-trace", "countdown-trace"):
-        with pytest.raises(ValueError, match=f"daca pretrain --task {task}"):
-            tiny_for_task("tiny", task)
-    assert tiny_for_task("some/dir", "sudoku-trace") == "some/dir"
+def test_tiny_means_the_trace_tasks_shipped_model_where_one_is_shipped():
+    assert tiny_for_task("tiny", "sudoku-trace") == "tiny-sudoku-trace"
+    with pytest.raises(ValueError, match="daca pretrain --task countdown-trace"):
+        tiny_for_task("tiny", "countdown-trace")
+    assert tiny_for_task("some/dir", "countdown-trace") == "some/dir"
     assert tiny_for_task("tiny", "countdown") == "tiny-countdown"
+
+
+def test_the_shipped_trace_model_reasons_in_two_blocks_at_the_papers_ratio():
+    """The run takes the model's lengths: L 64 in two blocks of 32, steps = L / 2."""
+    from daca.train.config import load_config
+
+    g = load_config(None, ["task=sudoku-trace"]).generation
+    assert (g.gen_length, g.block_length, g.steps) == (64, 32, 32)
 
 
 @pytest.mark.slow

@@ -10,16 +10,24 @@ from pathlib import Path
 
 TINY_PATH = Path(__file__).resolve().parent / "assets" / "tiny"
 # One tiny model per embedded task (the tiny model is too small to learn both Sudoku and
-# Countdown well at once).
-SHIPPED = {"tiny": TINY_PATH, "tiny-countdown": TINY_PATH.parent / "tiny-countdown"}
-
-
+# Countdown well at once); the trace task's model answers in 64 tokens, in two blocks.
+SHIPPED = {
+    "tiny": TINY_PATH,
+    "tiny-countdown": TINY_PATH.parent / "tiny-countdown",
+    "tiny-sudoku-trace": TINY_PATH.parent / "tiny-sudoku-trace",
+}
+# The shipped model that ``"tiny"`` means for a task (others: ``"tiny"``, the Sudoku model).
+TASK_MODELS = {
+    "countdown": "tiny-countdown",
+    "countdown-public": "tiny-countdown",
+    "sudoku-trace": "tiny-sudoku-trace",
+}
 # Tasks whose tiny model is not shipped yet (``daca pretrain --task T`` makes one).
-NOT_SHIPPED = ("sudoku-trace", "countdown-trace")
+NOT_SHIPPED = ("countdown-trace",)
 
 
 def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
-    """``"tiny"`` means the shipped model of the task: Countdown has its own."""
+    """``"tiny"`` means the shipped model of the task (``TASK_MODELS``)."""
     if name_or_path not in (None, "", "tiny"):
         return name_or_path
     if task in NOT_SHIPPED:
@@ -27,4 +35,4 @@ def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
             f"no tiny model is shipped for task {task!r} yet: make one with "
             f"`daca pretrain --task {task} --out DIR` and pass it as the model"
         )
-    return "tiny-countdown" if task.startswith("countdown") else name_or_path
+    return TASK_MODELS.get(task, name_or_path)

@@ -490,11 +490,11 @@ def save_pretrained(bundle: LoadedModel, folder, model=None, *, state_dict=None)
     if bundle.tokenizer is not None:
         bundle.tokenizer.save_pretrained(folder)
     write_meta(bundle, folder, model)
-    _follow_umask(folder)
+    follow_umask(folder)
     return folder
 
 
-def _follow_umask(folder: Path) -> None:
+def follow_umask(folder: Path) -> None:
     """Give every file written into ``folder`` the mode of a file the user creates: the weights
     are written to a private temporary file and renamed (mode 0600) while the rest is 0644."""
     umask = os.umask(0o022)  # reading the umask means setting it; restored at once

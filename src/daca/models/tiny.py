@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from daca.models.loading import follow_umask
 from daca.models.native import _LLADA_DEFAULTS, LLaDAForDiffusionLM, llama_config
 
 ALPHABET = "0123456789+-*/()=,:"
@@ -154,4 +155,5 @@ def save_tiny(folder, model, tokenizer, **meta):
     tokenizer.save_pretrained(folder)
     info = {"family": "llada", "prompt_format": "compact", **meta}
     (folder / "daca.json").write_text(json.dumps(info, indent=1) + "\n")
+    follow_umask(folder)  # the weights too (transformers writes them 0600)
     return folder

@@ -105,7 +105,7 @@ class TrainConfig:
     model: str = _f(
         "tiny",
         "model: 'tiny' (the shipped model of the task: 'tiny' for Sudoku, 'tiny-countdown' "
-        "for Countdown), a local folder, or a hub name",
+        "for Countdown, 'tiny-sudoku-trace' for sudoku-trace), a local folder, or a hub name",
     )
     task: str = _f("sudoku", "task name (daca.tasks.get_task)")
     data_file: str | None = _f(None, "training data file (else the task generates or downloads)")
