@@ -19,7 +19,7 @@ from daca.integrations.trl import (  # noqa: E402
     DACAGRPOConfig,
     DACAGRPOTrainer,
 )
-from daca.models.prompts import prompt_texts  # noqa: E402
+from daca.tasks.prompts import prompt_texts  # noqa: E402
 from daca.train.methods import METHODS  # noqa: E402
 from daca.train.trainer import Trainer  # noqa: E402
 

@@ -325,7 +325,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     for path_, value in parsed:
         merge_override(data, path_, value)
     given = {".".join(path_) for path_, _ in parsed}
-    method = data.get("method", "wd1")
+    method = data.get("method", TrainConfig.method)
     if data.get("published_settings") is True and isinstance(method, str) and method in METHODS:
         for key, value in METHODS[method].published.items():
             if key not in given:  # the command line wins over the method's published value

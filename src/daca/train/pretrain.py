@@ -23,9 +23,10 @@ from torch import Tensor
 
 from daca.core.modeling import forward_logits, full_attention_mask
 from daca.models.loading import LoadedModel
-from daca.models.prompts import encode_prompts, encode_targets, prompt_texts
+from daca.models.prompts import encode_prompts, encode_targets
 from daca.models.tiny import new_tiny, save_tiny
 from daca.tasks import get_task
+from daca.tasks.prompts import prompt_texts
 from daca.train.config import GenerationConfig
 from daca.train.evaluation import evaluate
 from daca.train.interrupts import Interrupted, StopSignals, signal_name

@@ -24,10 +24,10 @@ from daca.models.prompts import (
     decode_completions,
     fit_prompts,
     pad_prompts,
-    prompt_texts,
     prompt_token_ids,
 )
 from daca.tasks import Task
+from daca.tasks.prompts import prompt_texts
 from daca.tasks.rewards import score_rewards
 from daca.train.config import GenerationConfig
 

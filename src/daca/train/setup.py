@@ -9,9 +9,10 @@ from dataclasses import asdict
 import torch
 
 from daca.models.loading import LoadedModel, ModelFolderError, load, load_4bit
-from daca.models.prompts import fit_prompts, prompt_texts, prompt_token_ids
+from daca.models.prompts import fit_prompts, prompt_token_ids
 from daca.tasks import sandbox
 from daca.tasks.formats import DataUnavailable
+from daca.tasks.prompts import prompt_texts
 from daca.train.checkpointing import write_text_atomically, yaml_text
 from daca.train.config import to_dict
 from daca.train.errors import InputError

@@ -12,17 +12,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from daca.core import likelihood, objectives
+from daca.train.config import TrainConfig
 from daca.train.methods import BaseMethod
 from daca.train.rollout import RolloutBatch, derive_seed, seeded_generator
-
-if TYPE_CHECKING:
-    from daca.train.config import TrainConfig
 
 
 def mask_seed(seed: int, step: int, micro: int, it: int, rank: int) -> int:
