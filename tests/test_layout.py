@@ -1,7 +1,8 @@
 """The package's layers import only downward (core → models → tasks → train → integrations →
 cli) and no module imports itself round a circle. Read from the source with ``ast``: imports
 inside functions count too, and so do imports under ``if TYPE_CHECKING:`` (an annotation that
-names a module is a dependency on it)."""
+names a module is a dependency on it). Method names are written as strings only in the
+registry and in the config's default (no string tests on them elsewhere)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ast
 from pathlib import Path
 
 import daca
+from daca.train.methods import METHODS
 
 ROOT = Path(daca.__file__).resolve().parent
 LAYERS = ["core", "models", "tasks", "train", "integrations", "cli"]
@@ -144,3 +146,33 @@ def test_type_checking_imports_are_edges():
     source = "if TYPE_CHECKING:\n    from daca.tasks import Task\n"
     assert _imported(ast.parse(source), {"daca.tasks"}) == {"daca.tasks"}
 
+
+# Where a method's name may be a string: its registry entry, and the config's default method.
+METHOD_NAME_HOMES = {"daca.train.methods", "daca.train.config"}
+
+
+def method_name_literals(source: str) -> list[str]:
+    """The string constants of ``source`` that are a registered method's name."""
+    return [
+        node.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in METHODS
+    ]
+
+
+def test_method_names_are_strings_only_in_the_registry_and_the_config_default():
+    found = {
+        name: literals
+        for name, path in _modules().items()
+        if (literals := method_name_literals(path.read_text()))
+    }
+    elsewhere = {name: v for name, v in found.items() if name not in METHOD_NAME_HOMES}
+    assert elsewhere == {}
+    assert sorted(found["daca.train.methods"]) == sorted(METHODS)  # one entry per method
+    assert found["daca.train.config"] == [found["daca.train.config"][0]]  # the default, once
+
+
+def test_the_literal_finder_finds_a_method_name():
+    name = next(iter(METHODS))
+    assert method_name_literals(f"if cfg.method == {name!r}:\n    pass") == [name]
+    assert method_name_literals(f"x = 'not {name}'") == []

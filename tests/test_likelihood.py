@@ -442,7 +442,7 @@ def test_bad_inputs_raise():
         stratified_logp(oracle, q, o, mask_id=MASK, num_strata=0)
     with pytest.raises(ValueError, match="exceeds the completion length"):
         stratified_logp(oracle, q, o, mask_id=MASK, num_strata=5)
-    with pytest.raises(ValueError, match="unknown strata"):
+    with pytest.raises(ValueError, match="strata: 'blocks' is not one of"):
         stratified_logp(oracle, q, o, mask_id=MASK, strata="blocks")
     with pytest.raises(ValueError, match="views_per_forward"):
         stratified_logp(oracle, q, o, mask_id=MASK, views_per_forward=0)
