@@ -31,11 +31,11 @@ VARIANTS = {
 
 
 def stand_in_model(folder: Path) -> Path:
-    """A random model in the shipped tiny model's format and size (daca.train.pretrain defaults)."""
+    """A random model in the shipped tiny model's format and size (daca.tools.pretrain defaults)."""
     from transformers.utils import logging as hf_logging
 
     from daca.models.tiny import new_tiny, save_tiny
-    from daca.train.pretrain import PretrainConfig
+    from daca.tools.pretrain import PretrainConfig
 
     hf_logging.disable_progress_bar()
     p = PretrainConfig()

@@ -1,5 +1,5 @@
 """The package's layers import only downward (core → models → tasks → train → integrations →
-cli) and no module imports itself round a circle. Read from the source with ``ast``: imports
+tools → cli) and no module imports itself round a circle. Read from the source with ``ast``: imports
 inside functions count too, and so do imports under ``if TYPE_CHECKING:`` (an annotation that
 names a module is a dependency on it). Method names are written as strings only in the
 registry and in the config's default (no string tests on them elsewhere)."""
@@ -13,7 +13,7 @@ import daca
 from daca.train.methods import METHODS
 
 ROOT = Path(daca.__file__).resolve().parent
-LAYERS = ["core", "models", "tasks", "train", "integrations", "cli"]
+LAYERS = ["core", "models", "tasks", "train", "integrations", "tools", "cli"]
 # Top-level modules outside the sub-packages: the package itself re-exports the core; the names
 # of the shipped models are data the configuration reads without importing the model loader.
 TOP_LEVEL = {"daca": "core", "daca.shipped": "models"}

@@ -13,9 +13,9 @@ from test_trainer import _cfg as _trainer_cfg
 
 from daca import dps, generate
 from daca.tasks import register_task
-from daca.train import compare
+from daca.tools import compare
+from daca.tools.memory import estimate
 from daca.train.config import ConfigError, TrainConfig, load_config
-from daca.train.memory import estimate
 from daca.train.methods import METHODS
 from daca.train.rollout import RolloutBatch
 from daca.train.trainer import Trainer

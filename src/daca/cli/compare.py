@@ -6,7 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from daca.train.compare import ABLATION_METHOD, ABLATIONS, VARIANTS, parse_variants, run_grid
+from daca.tools.compare import ABLATION_METHOD, ABLATIONS, VARIANTS, parse_variants, run_grid
 from daca.train.config import ConfigError
 from daca.train.interrupts import Interrupted
 from daca.train.methods import METHODS, paper_methods

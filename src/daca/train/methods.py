@@ -36,7 +36,7 @@ class BaseMethod:
     sml: how SML enters: ``"enriched"`` ratio ½(ℓ^base + ℓ^SML) for the current, old and
         reference policies, or wd1's ``"regulariser"`` −(η/G)·Σ log p^SML.
     forward_views(cfg) -> (views stacked in the estimator's forward, completion rows scored
-        per token over them): the memory estimate's factors (``daca.train.memory``).
+        per token over them): the memory estimate's factors (``daca.tools.memory``).
     in_paper: one of the paper's three base methods (``daca compare``'s default grid).
     published: the settings of the method's reference code that differ between methods (μ, where
         not the task's, β, learning rate), which a recipe with ``published_settings: true`` takes

@@ -27,10 +27,10 @@ from daca.models.prompts import encode_prompts, encode_targets
 from daca.models.tiny import new_tiny, save_tiny
 from daca.tasks import get_task
 from daca.tasks.prompts import prompt_texts
+from daca.tools.pretrain_config import PretrainConfig
 from daca.train.config import GenerationConfig
 from daca.train.evaluation import evaluate
 from daca.train.interrupts import Interrupted, StopSignals, signal_name
-from daca.train.pretrain_config import PretrainConfig
 
 
 def masked_diffusion_loss(
