@@ -539,7 +539,7 @@ def test_given_strata_prompt_masks_and_elbo_masks_reproduce_the_drawn_ones(mlm):
 
 def test_given_masks_replace_the_trl_side_doors(mlm):
     """The core calls that replaced the strata-as-ELBO-masks side door (unit nodes and weights)
-    and the pre-masked prompt of ``integrations/trl.py`` give the same numbers."""
+    and the pre-masked prompt of the TRL front-end's retired own-loss mode give the same numbers."""
     q, o = batch(B=2, P=5, L=8)
     am = torch.ones_like(q)
     am[1, :2] = 0
