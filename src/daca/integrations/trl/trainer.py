@@ -91,7 +91,7 @@ def _reference_through_daca():
 
 
 class DACAGRPOTrainer(GRPOTrainer):
-    """TRL's ``GRPOTrainer`` for masked diffusion LMs with DACA (see the module docstring).
+    """TRL's ``GRPOTrainer`` for masked diffusion LMs with DACA (the package docstring).
 
     ``model``: a ``daca.models.load`` result, or a name or path for it ("tiny" is the shipped
     model), which also supplies the tokenizer, mask id, end-of-sequence ids and prompt width;
