@@ -2,11 +2,12 @@
 
     pip install 'daca-grpo[trl]'
     python examples/trl_sudoku.py                 # a few steps on the CPU
-    python examples/trl_sudoku.py --steps 50 --lam 0   # TRL's GRPO with the diffusion parts only
+    python examples/trl_sudoku.py --steps 50 --lam 0   # d1's Diffu-GRPO without DPS
 
-The trainer is TRL's (data, rewards, group advantages, loss, logging); DACA swaps in the
-diffusion sampler, the mean-field / SML log-probs and the DPS per-token advantages
-(``daca.integrations.trl``). Held-out accuracy (temperature 0) is printed before and after.
+The trainer is TRL's (data, rewards, optimizer loop, logging); each micro-batch is computed as
+``daca train`` computes it (``daca.integrations.trl``): the diffusion sampler, Diffu-GRPO's
+mean-field / SML log-probs, group advantages and clipped loss, and the DPS per-token multipliers.
+Held-out accuracy (temperature 0) is printed before and after.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (x6 completions)")
     p.add_argument("--eval-size", type=int, default=48, help="held-out puzzles")
-    p.add_argument("--lam", type=float, default=0.5, help="DPS strength lambda (0: TRL's GRPO)")
+    p.add_argument("--lam", type=float, default=0.5, help="DPS strength lambda (0: no DPS)")
     p.add_argument(
         "--sml", action="store_true", help="SML-enriched log-probs (METHOD.md §3: hurts Sudoku)"
     )
@@ -62,7 +63,7 @@ def main() -> None:
         num_iterations=2,  # mu inner updates per rollout, each with its own likelihood masks
         epsilon=0.5,
         beta=0.0,
-        loss_type="bnpo",  # d1: mean over the batch's completion tokens
+        method="diffu_grpo",  # d1's loss: its mean over the batch's completion tokens
         scale_rewards="none",  # A = r - mean(r), as the reference codes
         gen_length=gen.gen_length,
         steps=gen.steps,

@@ -13,7 +13,7 @@ import pytest
 from _launch import descendants
 
 from daca.cli import main
-from daca.train import compare
+from daca.tools import compare
 
 
 @pytest.fixture
@@ -233,7 +233,7 @@ def _record(tokens: list[list[str]], prompt: str, task: str = "sudoku") -> dict:
 
 
 def test_inspect_marks_the_givens_and_leaves_padding_out(tmp_path):
-    from daca.train.inspect_run import _BLUE, _ink, drawn_cells, render_html, render_png
+    from daca.tools.inspect_run import _BLUE, _ink, drawn_cells, render_html, render_png
 
     grid = list("4231142241134241")
     rec = _record([grid, [*grid[:14], "[EOS]", "[PAD]"]], prompt="2301100201033000=")

@@ -7,7 +7,7 @@ from conftest import SMALL_RUN
 
 from daca.cli import main
 from daca.tasks import get_task, sudoku_trace
-from daca.train.credit import credit_rows, credit_table, token_roles
+from daca.tools.credit import credit_rows, credit_table, token_roles
 
 SOLUTION = "1234341221434321"
 PUZZLE = "1034340220430321"  # cells 1, 6, 9, 12 blank

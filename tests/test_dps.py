@@ -303,3 +303,9 @@ def test_on_a_real_rollout_of_the_sampler():
     j = (rollout.birth_step // 3).clamp_max(norm.shape[1] - 1)
     expected = 1 + 0.5 * norm.gather(1, j)
     assert torch.equal(dps.rollout_multipliers(rollout, lam=0.5), expected)
+
+
+def test_every_last_step_mode_has_one_rule():
+    """The modes the configuration accepts (daca.core.options) are the rules progress_deltas
+    has, in the same order."""
+    assert tuple(dps.LAST_INTERVAL) == dps.LAST_STEP_MODES

@@ -1,6 +1,8 @@
 """The package's layers import only downward (core → models → tasks → train → integrations →
-cli) and no module imports itself round a circle. Read from the source with ``ast``: imports
-inside functions count too; imports under ``if TYPE_CHECKING:`` (annotations only) do not."""
+tools → cli) and no module imports itself round a circle. Read from the source with ``ast``: imports
+inside functions count too, and so do imports under ``if TYPE_CHECKING:`` (an annotation that
+names a module is a dependency on it). Method names are written as strings only in the
+registry and in the config's default (no string tests on them elsewhere)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import ast
 from pathlib import Path
 
 import daca
+from daca.train.methods import METHODS
 
 ROOT = Path(daca.__file__).resolve().parent
-LAYERS = ["core", "models", "tasks", "train", "integrations", "cli"]
+LAYERS = ["core", "models", "tasks", "train", "integrations", "tools", "cli"]
 # Top-level modules outside the sub-packages: the package itself re-exports the core; the names
 # of the shipped models are data the configuration reads without importing the model loader.
 TOP_LEVEL = {"daca": "core", "daca.shipped": "models"}
@@ -25,13 +28,6 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _in_daca(module: str | None) -> bool:
     return bool(module) and module.split(".")[0] == "daca"
 
@@ -42,10 +38,6 @@ def _imported(tree: ast.AST, known: set[str]) -> set[str]:
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if _in_daca(a.name))
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and _in_daca(node.module):
@@ -148,3 +140,39 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_type_checking_imports_are_edges():
+    source = "if TYPE_CHECKING:\n    from daca.tasks import Task\n"
+    assert _imported(ast.parse(source), {"daca.tasks"}) == {"daca.tasks"}
+
+
+# Where a method's name may be a string: its registry entry, and the config's default method.
+METHOD_NAME_HOMES = {"daca.train.methods", "daca.train.config"}
+
+
+def method_name_literals(source: str) -> list[str]:
+    """The string constants of ``source`` that are a registered method's name."""
+    return [
+        node.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in METHODS
+    ]
+
+
+def test_method_names_are_strings_only_in_the_registry_and_the_config_default():
+    found = {
+        name: literals
+        for name, path in _modules().items()
+        if (literals := method_name_literals(path.read_text()))
+    }
+    elsewhere = {name: v for name, v in found.items() if name not in METHOD_NAME_HOMES}
+    assert elsewhere == {}
+    assert sorted(found["daca.train.methods"]) == sorted(METHODS)  # one entry per method
+    assert found["daca.train.config"] == [found["daca.train.config"][0]]  # the default, once
+
+
+def test_the_literal_finder_finds_a_method_name():
+    name = next(iter(METHODS))
+    assert method_name_literals(f"if cfg.method == {name!r}:\n    pass") == [name]
+    assert method_name_literals(f"x = 'not {name}'") == []

@@ -442,7 +442,7 @@ def test_bad_inputs_raise():
         stratified_logp(oracle, q, o, mask_id=MASK, num_strata=0)
     with pytest.raises(ValueError, match="exceeds the completion length"):
         stratified_logp(oracle, q, o, mask_id=MASK, num_strata=5)
-    with pytest.raises(ValueError, match="unknown strata"):
+    with pytest.raises(ValueError, match="strata: 'blocks' is not one of"):
         stratified_logp(oracle, q, o, mask_id=MASK, strata="blocks")
     with pytest.raises(ValueError, match="views_per_forward"):
         stratified_logp(oracle, q, o, mask_id=MASK, views_per_forward=0)
@@ -539,7 +539,7 @@ def test_given_strata_prompt_masks_and_elbo_masks_reproduce_the_drawn_ones(mlm):
 
 def test_given_masks_replace_the_trl_side_doors(mlm):
     """The core calls that replaced the strata-as-ELBO-masks side door (unit nodes and weights)
-    and the pre-masked prompt of ``integrations/trl.py`` give the same numbers."""
+    and the pre-masked prompt of the TRL front-end's retired own-loss mode give the same numbers."""
     q, o = batch(B=2, P=5, L=8)
     am = torch.ones_like(q)
     am[1, :2] = 0

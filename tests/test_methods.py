@@ -13,9 +13,9 @@ from test_trainer import _cfg as _trainer_cfg
 
 from daca import dps, generate
 from daca.tasks import register_task
-from daca.train import compare
+from daca.tools import compare
+from daca.tools.memory import estimate
 from daca.train.config import ConfigError, TrainConfig, load_config
-from daca.train.memory import estimate
 from daca.train.methods import METHODS
 from daca.train.rollout import RolloutBatch
 from daca.train.trainer import Trainer
@@ -199,7 +199,7 @@ def test_native_and_trl_front_ends_give_identical_multipliers(tiny_model_dir, tm
     trl_trainer.model.train()
     trl_trainer._generate_and_score_completions(rows)
     out = trl_trainer.last_rollout
-    trl_mult = trl_trainer._dps_multipliers(out, "eval")
+    trl_mult = trl_trainer._batches[0].multipliers
     native = Trainer(
         _cfg(tiny_model_dir, tmp_path, "native", "dps.lam=0.5", "dps.last_step=measured",
              "dps.clamp_min=0.0", "dps.stride=2"),
@@ -217,5 +217,5 @@ def test_native_and_trl_front_ends_give_identical_multipliers(tiny_model_dir, tm
     _, stats = native._dps_step([batch])
     assert not torch.allclose(trl_mult, torch.ones_like(trl_mult))
     assert torch.equal(batch.multipliers, trl_mult)
-    logged = {k: v[-1] for k, v in trl_trainer._metrics["eval"].items() if k.startswith("dps/")}
+    logged = {k: v[-1] for k, v in trl_trainer._metrics["train"].items() if k.startswith("dps/")}
     assert logged == stats

@@ -165,6 +165,7 @@ def test_one_trl_step(family, setting, hub_dirs, tmp_path):
         use_cpu=True,
         bf16=False,
         report_to="none",
+        method="diffu_grpo",  # a ratio: beta > 0 needs the reference
         save_strategy="no",
         per_device_train_batch_size=4,
         num_generations=2,

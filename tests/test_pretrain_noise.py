@@ -3,7 +3,7 @@ the semi-autoregressive sampler, the answer hidden for a curriculum), checked ex
 
 import torch
 
-from daca.train.pretrain import answer_positions, diffusion_noise
+from daca.tools.pretrain import answer_positions, diffusion_noise
 
 
 def test_llada_noise_masks_with_probability_t_and_weights_one_over_t():

@@ -11,8 +11,8 @@ from conftest import random_mlm
 
 from daca.cli import main
 from daca.core.sampler import generate
+from daca.tools.memory import NF4_BYTES, dps_trace_rows, estimate
 from daca.train.config import load_config
-from daca.train.memory import NF4_BYTES, dps_trace_rows, estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "accelerate")

@@ -219,7 +219,7 @@ def test_a_model_without_a_cache_is_named():
 @pytest.mark.parametrize(
     "kw,message",
     [
-        (dict(cache="kv"), "cache must be one of"),
+        (dict(cache="kv"), "cache: .kv. is not one of"),
         (dict(cache="dual", refresh_every=0), "refresh_every"),
         (dict(cache="dual", trace_refresh="prefix"), "trace_refresh"),
         (dict(parallel_threshold=1.5), "parallel_threshold"),

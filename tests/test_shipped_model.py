@@ -9,9 +9,9 @@ from safetensors import safe_open
 
 from daca.models.loading import SHIPPED, load
 from daca.tasks import get_task
+from daca.tools.pretrain import step_accuracy
 from daca.train.config import GenerationConfig, load_config
 from daca.train.evaluation import evaluate
-from daca.train.pretrain import step_accuracy
 
 META = {name: json.loads((folder / "daca.json").read_text()) for name, folder in SHIPPED.items()}
 

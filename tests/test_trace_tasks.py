@@ -206,7 +206,7 @@ def test_a_pretrained_trace_model_loads_as_llada_and_evaluates(tmp_path, capsys)
     path and ``daca eval`` reads the Sudoku CSV, printing L and block."""
     from daca.cli import main
     from daca.models.loading import load
-    from daca.train.pretrain import PretrainConfig, pretrain
+    from daca.tools.pretrain import PretrainConfig, pretrain
 
     out = tmp_path / "model"
     cfg = PretrainConfig(

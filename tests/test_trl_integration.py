@@ -1,5 +1,7 @@
 """DACA inside TRL's GRPOTrainer (daca.integrations.trl), on the random tiny model (CPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import CPU_TRL
@@ -7,15 +9,11 @@ from conftest import CPU_TRL
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from trl import GRPOTrainer  # noqa: E402
-
 from daca.core.dps import rollout_multipliers  # noqa: E402
-from daca.core.likelihood import mean_field_logp  # noqa: E402
 from daca.integrations.trl import (  # noqa: E402
     DACAGRPOConfig,
     DACAGRPOTrainer,
     left_pad,
-    mask_views,
 )
 from daca.models.loading import (  # noqa: E402
     LoadedModel,
@@ -37,6 +35,7 @@ def make_trainer(model_dir, tmp_path, **overrides):
     kw = dict(
         output_dir=str(tmp_path / "out"),
         **CPU_TRL,
+        method="diffu_grpo",  # a policy ratio, clipping and a KL: every part of the update
         save_strategy="no",
         per_device_train_batch_size=G * PROMPTS,
         num_generations=G,
@@ -75,80 +74,34 @@ def group_advantages(trainer):
     return r - r.view(-1, G).mean(1).repeat_interleave(G)
 
 
-def mf_logp(model, batch, hide, mask_id, pad_id):
-    """The core's mean-field estimate on the batch with the given prompt masks."""
-    p_ids, p_mask = batch["prompt_ids"], batch["prompt_mask"]  # left padded by TRL
-    return mean_field_logp(
-        model,
-        p_ids.masked_fill(hide, mask_id),
-        batch["completion_ids"],
-        mask_id=mask_id,
-        attention_mask=p_mask,
-    )
+def spy_on_loss(trainer) -> list[dict]:
+    """The inputs of every call of the method's loss (``daca.train.methods``), recorded."""
+    calls = []
+    method = trainer.daca_method
+
+    def loss(cfg, logp, **kw):
+        calls.append({k: v for k, v in kw.items() if torch.is_tensor(v)} | {"logp": logp})
+        return method.loss(cfg, logp, **kw)
+
+    trainer.daca_method = dataclasses.replace(method, loss=loss)
+    return calls
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_multipliers_of_one_give_trl_loss_exactly(tiny_model_dir, tmp_path, loss_type):
-    trainer, rows = make_trainer(tiny_model_dir, tmp_path, dps_lam=0.0, loss_type=loss_type)
-    model, mask_id, pad_id = trainer.model, trainer.mask_id, trainer._tokenizer.pad_token_id
-    model.train()
-    batch = trainer._generate_and_score_completions(rows)
-    adv = group_advantages(trainer)
-    assert adv.abs().sum() > 0
-    assert batch["advantages"].shape == (G * PROMPTS, L)
-    assert torch.equal(batch["advantages"], adv[:, None].expand(-1, L))  # multipliers exactly 1
-    hide = batch["daca_prompt_hide"]  # [B, mu, P]
-    with torch.no_grad():  # old = reference = the initial weights, per iteration's masks
-        old = torch.stack([mf_logp(model, batch, hide[:, k], mask_id, pad_id) for k in (0, 1)], 1)
-    assert torch.equal(batch["daca_old_per_token_logps"], old)
-    assert torch.equal(batch["daca_ref_per_token_logps"], old)
-
-    with torch.no_grad():  # move the policy so that ratios, clipping and KL all matter
-        g = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    trainer._step = 1  # the second inner iteration
-    daca_loss = trainer.compute_loss(model, batch)
-    assert trainer._metrics["train"]["clip_ratio/region_mean"][-1] > 0
-
-    current = mf_logp(model, batch, hide[:, 1], mask_id, pad_id)
-    trl_inputs = {k: v for k, v in batch.items() if not k.startswith("daca_") and k != "advantages"}
-    trl_inputs.update(
-        advantages=adv,
-        old_per_token_logps=old[:, 1],
-        ref_per_token_logps=old[:, 1],
-    )
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
-        current,
-        torch.zeros_like(current),
-        None,
-    )
-    trl_loss = GRPOTrainer._compute_loss(trainer, model, trl_inputs)
-    assert trl_loss.item() != 0
-    assert torch.equal(daca_loss, trl_loss)
-
-
-def test_dps_advantages_reach_the_loss(tiny_model_dir, tmp_path, monkeypatch):
+def test_dps_multipliers_and_advantages_reach_the_loss(tiny_model_dir, tmp_path):
     trainer, rows = make_trainer(
         tiny_model_dir, tmp_path, dps_lam=0.5, dps_norm_axis="per_step", sml_enabled=True
     )
+    calls = spy_on_loss(trainer)
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows)
     mult = rollout_multipliers(trainer.last_rollout, lam=0.5, norm_axis="per_step")
     assert not torch.allclose(mult, torch.ones_like(mult))
-    expected = group_advantages(trainer)[:, None] * mult
-    torch.testing.assert_close(batch["advantages"], expected, rtol=0, atol=1e-6)
-
-    seen = []
-    original = GRPOTrainer._compute_loss
-
-    def spy(self, model, inputs):
-        seen.append(inputs["advantages"])
-        return original(self, model, inputs)
-
-    monkeypatch.setattr(GRPOTrainer, "_compute_loss", spy)
     trainer.compute_loss(trainer.model, batch)
-    assert torch.equal(seen[0], batch["advantages"])
+    (call,) = calls
+    assert torch.equal(call["token_multipliers"], mult)  # one micro-batch: the step's DPS
+    adv = group_advantages(trainer)
+    assert adv.abs().sum() > 0
+    torch.testing.assert_close(call["advantages"], adv, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("sml", [False, True])
@@ -156,18 +109,13 @@ def test_same_masks_for_current_old_and_reference(tiny_model_dir, tmp_path, sml)
     trainer, rows = make_trainer(tiny_model_dir, tmp_path, sml_enabled=sml, sml_num_strata=4)
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows)
-    old = batch["daca_old_per_token_logps"]
-    assert not torch.equal(old[:, 0], old[:, 1])  # each inner iteration has its own masks
+    old = trainer._batches[0].old_logp
+    assert not torch.equal(old[0], old[1])  # each inner iteration has its own masks
     for k in (0, 1):
         trainer._step = k  # unchanged weights: ratio 1 and KL 0 exactly iff the masks match
         trainer.compute_loss(trainer.model, batch)
-        assert trainer._metrics["train"]["kl"][-1] == 0.0
-    with torch.no_grad():  # rows keep their masks through TRL's shuffle
-        perm = torch.tensor([4, 2, 0, 5, 1, 3])
-        shuffled = {k: v[perm] if torch.is_tensor(v) and v.dim() else v for k, v in batch.items()}
-        trainer._step = 1
-        trainer.compute_loss(trainer.model, shuffled)
-        assert trainer._metrics["train"]["kl"][-1] == 0.0
+        metrics = trainer._metrics["train"]
+        assert metrics["kl"][-1] == 0.0 and metrics["ratio_mean"][-1] == 1.0
 
 
 def test_completions_come_from_the_diffusion_sampler(tiny_model_dir, tmp_path):
@@ -180,11 +128,13 @@ def test_completions_come_from_the_diffusion_sampler(tiny_model_dir, tmp_path):
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows)
     completion = trainer.last_rollout.completion_ids
-    assert torch.equal(batch["completion_ids"], completion)  # full length, as sampled
     is_eos = completion == trainer._tokenizer.eos_token_id
     up_to_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-    assert torch.equal(batch["tool_mask"].bool(), up_to_eos)  # the loss mask
-    assert torch.equal(batch["completion_mask"], torch.ones_like(completion))  # all attended
+    (step_batch,) = trainer._batches
+    assert torch.equal(step_batch.completion_ids, completion)  # full length, as sampled
+    assert torch.equal(step_batch.completion_mask, up_to_eos)  # the loss mask
+    for row, ids, keep in zip(batch["completion_ids"], completion, up_to_eos, strict=True):
+        assert row[: int(keep.sum())].tolist() == ids[keep].tolist()  # TRL's: cut after EOS
 
 
 def test_training_runs_both_inner_iterations(tiny_model_dir, tmp_path, monkeypatch):
@@ -212,30 +162,12 @@ def test_training_runs_both_inner_iterations(tiny_model_dir, tmp_path, monkeypat
     torch.testing.assert_close(saved.model(ids).logits, trainer.model(ids).logits)
 
 
-def test_mask_views_shapes_and_padding():
-    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    g = torch.Generator().manual_seed(0)
-    hide, strata = mask_views(prompt_mask, 8, 3, p_mask_prompt=0.5, num_strata=4, generator=g)
-    assert hide.shape == (2, 3, 5) and strata.shape == (2, 3, 8)
-    assert not hide[0, :, :2].any()  # padding is never masked
-    assert hide.any()
-    assert all(sorted(row.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3] for row in strata.view(-1, 8))
-    none, _ = mask_views(prompt_mask, 8, 3, p_mask_prompt=0.0, generator=g)
-    assert not none.any()
-
-
 def test_left_pad():
-    ids, mask = left_pad([[5, 6], [7]], None, 4, 0)
+    ids, mask = left_pad([[5, 6], [7]], 4, 0)
     assert ids.tolist() == [[0, 0, 5, 6], [0, 0, 0, 7]]
     assert mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
-    wide, wmask = left_pad(ids[:, 1:], mask[:, 1:], 4, 0)
-    assert torch.equal(wide, ids) and torch.equal(wmask, mask)
-    narrow, nmask = left_pad(ids, mask, 2, 0)
-    assert narrow.tolist() == [[5, 6], [0, 7]] and nmask.tolist() == [[1, 1], [0, 1]]
     with pytest.raises(ValueError, match="prompt_width"):
-        left_pad(ids, mask, 1, 0)
-    with pytest.raises(ValueError, match="prompt_width"):
-        left_pad([[1, 2, 3]], None, 2, 0)
+        left_pad([[1, 2, 3]], 2, 0)
 
 
 @pytest.mark.parametrize(
@@ -253,7 +185,7 @@ def test_left_pad():
     ],
 )
 def test_config_rejects_bad_values(tmp_path, bad, match):
-    kw = dict(output_dir=str(tmp_path), **CPU_TRL)
+    kw = dict(output_dir=str(tmp_path), **CPU_TRL, method="wd1")
     with pytest.raises(ValueError, match=match):
         DACAGRPOConfig(**kw, **bad)
 
@@ -286,8 +218,7 @@ def test_reference_model_is_loaded_through_daca(tiny_model_dir, tmp_path):
             | {"gradient_accumulation_steps": 2},
             "not a multiple of num_generations",
         ),
-        ({"psi": 2.0}, "method="),  # read by no TRL loss
-        ({"sml_eta": 0.5}, "method="),
+        ({"method": None}, "needs method="),  # TRL's own loss is retired (docs/trl.md)
     ],
 )
 def test_method_config_rejects_what_would_not_apply(tmp_path, bad, match):

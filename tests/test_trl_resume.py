@@ -1,6 +1,7 @@
 """Resuming a ``DACAGRPOTrainer`` run from a checkpoint replays the uninterrupted run's
-rollouts: the sampler's and the masks' generators are seeded from the step, and TRL restores
-the weights, the optimizer, the data order and the global RNG (docs/trl.md, "Resuming")."""
+rollouts and updates: the sampler's and the masks' generators are seeded from the step
+(``daca.train.seeds``), and TRL restores the weights, the optimizer, the data order and the
+global RNG (docs/trl.md, "Resuming")."""
 
 import pytest
 import torch
@@ -19,14 +20,15 @@ def ones_reward(prompts, completions, **kwargs):
     return [c.count("1") / L for c in completions]
 
 
-def run(model_dir, out, max_steps, resume=False) -> list[tuple]:
-    """Train to ``max_steps`` (checkpoints every 2 steps); per rollout, its completions and the
-    states of the sampler's and the masks' generators after it."""
+def run(model_dir, out, max_steps, resume=False) -> tuple[list, dict]:
+    """Train to ``max_steps`` (checkpoints every 2 steps): the completions of each rollout, and
+    the logged loss of each step."""
     rows = generate_puzzles(4 * PROMPTS, seed=1)
     data = datasets.Dataset.from_list([{"prompt": f"{r['puzzle']}=", **r} for r in rows])
     args = DACAGRPOConfig(
         output_dir=str(out),
         **CPU_TRL,
+        method="diffu_grpo",
         save_strategy="steps",
         save_steps=2,
         per_device_train_batch_size=G * PROMPTS,
@@ -53,13 +55,13 @@ def run(model_dir, out, max_steps, resume=False) -> list[tuple]:
 
     def recorded(*a, **kw):
         out = generate(*a, **kw)
-        gens = (trainer._sample_gen.get_state(), trainer._view_gen.get_state())
-        rollouts.append((trainer.last_rollout.completion_ids.clone(), *gens))
+        rollouts.append(trainer.last_rollout.completion_ids.clone())
         return out
 
     trainer._generate_single_turn = recorded
     trainer.train(resume_from_checkpoint=resume or None)
-    return rollouts
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    return rollouts, losses
 
 
 @pytest.fixture(scope="module")
@@ -69,17 +71,20 @@ def runs(tiny_model_dir, tmp_path_factory):
     straight = run(tiny_model_dir, tmp / "straight", max_steps=4)
     run(tiny_model_dir, tmp / "split", max_steps=2)
     resumed = run(tiny_model_dir, tmp / "split", max_steps=4, resume=True)
-    assert len(straight) == 2 and len(resumed) == 1  # rollouts at steps 0 and 2
+    assert len(straight[0]) == 2 and len(resumed[0]) == 1  # rollouts at steps 0 and 2
     return straight, resumed
 
 
 def test_resumed_run_draws_the_uninterrupted_runs_random_numbers(runs):
-    straight, resumed = runs
-    for a, b in zip(straight[1][1:], resumed[0][1:], strict=True):
-        assert torch.equal(a, b)
-    assert not torch.equal(straight[0][1], straight[1][1])  # another step, other draws
+    """The same masks after the resume: the resumed steps' losses are the uninterrupted run's,
+    to the bit, and another step draws other numbers."""
+    (_, straight), (_, resumed) = runs
+    assert sorted(resumed) == [1, 2, 3, 4]  # steps 1-2 from the checkpoint's log, 3-4 run again
+    assert all(resumed[step] == straight[step] for step in (3, 4))
+    assert straight[1] != straight[3]
 
 
 def test_resumed_run_replays_the_uninterrupted_rollouts(runs):
-    straight, resumed = runs
-    assert torch.equal(straight[1][0], resumed[0][0])
+    (straight, _), (resumed, _) = runs
+    assert torch.equal(straight[1], resumed[0])
+    assert not torch.equal(straight[0], straight[1])  # another step, other draws

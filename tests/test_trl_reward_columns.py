@@ -23,6 +23,7 @@ def one_step_args(tmp_path, **overrides) -> DACAGRPOConfig:
     kw = dict(
         output_dir=str(tmp_path / "out"),
         **CPU_TRL,
+        method="wd1",
         save_strategy="no",
         per_device_train_batch_size=G * PROMPTS,
         num_generations=G,

@@ -6,7 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from daca.train.compare import ABLATIONS, VARIANTS, parse_variants, run_grid
+from daca.tools.compare import ABLATION_METHOD, ABLATIONS, VARIANTS, parse_variants, run_grid
 from daca.train.config import ConfigError
 from daca.train.interrupts import Interrupted
 from daca.train.methods import METHODS, paper_methods
@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--ablation",
         choices=sorted(ABLATIONS),
-        help="the DPS ablation grid on wd1 (overrides --methods/--variants)",
+        help=f"the DPS ablation grid on {ABLATION_METHOD} (overrides --methods/--variants)",
     )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument(
@@ -73,7 +73,7 @@ def run(args) -> int:
         variants = parse_variants(args.variants)
         seeds, steps = args.seeds, args.steps
         if args.ablation:
-            methods, variants = ["wd1"], ABLATIONS[args.ablation]
+            methods, variants = [ABLATION_METHOD], ABLATIONS[args.ablation]
         if args.quick:
             seeds, steps = 1, 60
             variants = {k: VARIANTS[k] for k in ("base", "dps")}

@@ -15,7 +15,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from daca.tasks import get_task
-    from daca.train.credit import credit_rows, credit_table, load_records, plot_credit
+    from daca.tools.credit import credit_rows, credit_table, load_records, plot_credit
 
     run_dir = Path(args.run_dir)
     try:

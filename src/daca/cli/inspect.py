@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from daca.train.inspect_run import load_record, render_html, render_png
+from daca.tools.inspect_run import load_record, render_html, render_png
 
 
 def add_arguments(p) -> None:

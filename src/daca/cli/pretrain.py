@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from daca.train.pretrain_config import PretrainConfig
+from daca.tools.pretrain_config import PretrainConfig
 
 # Tasks with a compact prompt for the tiny model ("mix" is sudoku and countdown together).
 PRETRAIN_TASKS = ("sudoku", "countdown", "countdown-public", "sudoku-trace", "countdown-trace")
@@ -65,8 +65,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from daca.tools.pretrain import pretrain
     from daca.train.interrupts import Interrupted
-    from daca.train.pretrain import pretrain
 
     cfg = PretrainConfig(
         task=args.task,

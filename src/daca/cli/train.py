@@ -55,8 +55,8 @@ def run(args) -> int:
         f"DPS {'on' if cfg.dps.enabled else 'off'}, SML {'on' if cfg.sml.enabled else 'off'}"
     )
     if args.dry_run:
+        from daca.tools.memory import estimate_text
         from daca.train.config import published_differences
-        from daca.train.memory import estimate_text
 
         differ = published_differences(cfg)
         if differ:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-LAST_STEP_MODES = ("extrapolate", "neutral", "raw", "mean", "measured")
-NORM_AXES = ("per_step", "trajectory", "group", "none")
+from daca.core.options import LAST_STEP_MODES, NORM_AXES, check_mode
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -74,77 +74,130 @@ def progress_deltas(
         )
     if progress_logp.shape[1] == 0:
         raise ValueError("the trace has no recorded step (R = 0)")
-    if last_step not in LAST_STEP_MODES:
-        raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {last_step!r}")
-    mask = progress_mask.bool()
-    logp = progress_logp.float()
-    batch, R = logp.shape[:2]
-    if isinstance(num_steps, Tensor) and recorded_steps is not None:
-        steps = recorded_steps.to(logp.device)
-        reached = steps[None, :] < num_steps.to(logp.device)[:, None]  # [B, R]
-    else:  # the sampler's marker of a step never reached: nothing masked, every l[j, n] NaN
-        reached = mask.any(-1) | ~logp.isnan().all(-1)
-    if not bool(reached[:, 0].all()):
-        raise ValueError("every row must reach the first recorded step")
-    if not bool((reached[:, 1:] <= reached[:, :-1]).all()):
-        raise ValueError("a row reaches a recorded step after missing an earlier one")
-    ragged = not bool(reached.all())
-    if ragged:
-        logp = torch.where(reached[..., None], logp, 0.0)
-        mask = mask & reached[..., None]
-    rows = torch.arange(batch, device=logp.device)
-    last_j = reached.sum(1) - 1  # m_b
-
-    both = mask[:, :-1] & mask[:, 1:]  # [B, R-1, L]
-    inner = _masked_mean(logp[:, 1:] - logp[:, :-1], both)  # [B, R-1]
-    zeros = logp.new_zeros(batch)
-    if R == 1:
-        extrapolated = zeros
-    elif ragged:
-        extrapolated = torch.where(last_j > 0, inner[rows, (last_j - 1).clamp_min(0)], 0.0)
-    else:
-        extrapolated = inner[:, -1]
-
-    if last_step == "measured":
-        if last_logp is None or last_mask is None or recorded_steps is None or num_steps is None:
-            raise ValueError(
-                "last_step='measured' needs last_logp, last_mask, recorded_steps and num_steps"
-            )
-        if last_logp.shape != logp[:, -1].shape or last_mask.shape != last_logp.shape:
-            raise ValueError(
-                f"last_logp {tuple(last_logp.shape)} and last_mask {tuple(last_mask.shape)} "
-                f"must both be [B, L] = {tuple(logp[:, -1].shape)}"
-            )
-        last_recorded = recorded_steps.to(logp.device)[last_j]  # r_{m_b}
-        final = torch.as_tensor(num_steps, device=logp.device) - 1  # T_b - 1
-        if bool((last_recorded > final).any()):
-            raise ValueError(
-                f"recorded step {int(last_recorded.max())} is beyond the last step "
-                f"{int(torch.as_tensor(final).min())}"
-            )
-        own = logp[rows, last_j]
-        measured = _masked_mean(last_logp.float() - own, last_mask.bool() & mask[rows, last_j])
-        # x_{T-1} is the last recorded state itself: no later evidence
-        last = torch.where(last_recorded == final, extrapolated, measured)
-    elif last_step == "extrapolate":
-        last = extrapolated
-    elif last_step == "neutral":
-        last = zeros
-    elif last_step == "raw":
-        last = _masked_mean(logp[rows, last_j], mask[rows, last_j])
-    elif R == 1:  # mean of no interval
-        last = zeros
-    elif ragged:
-        before = torch.arange(R - 1, device=logp.device)[None, :] < last_j[:, None]
-        last = _masked_mean(inner, before)
-    else:
-        last = inner.mean(1)
-    if not ragged:
-        return torch.cat([inner, last[:, None]], dim=1)
-    deltas = torch.cat([inner, inner.new_full((batch, 1), math.nan)], dim=1)
-    deltas = torch.where(reached, deltas, math.nan)
-    deltas[rows, last_j] = last
+    check_mode("last_step", last_step, LAST_STEP_MODES)
+    trace = _Trace.read(progress_logp, progress_mask, recorded_steps, num_steps)
+    logp, mask = trace.logp, trace.mask
+    inner = _masked_mean(logp[:, 1:] - logp[:, :-1], mask[:, :-1] & mask[:, 1:])  # [B, R-1]
+    last = LAST_INTERVAL[last_step](
+        trace,
+        inner,
+        last_logp=last_logp,
+        last_mask=last_mask,
+        recorded_steps=recorded_steps,
+        num_steps=num_steps,
+    )
+    # A row's intervals after its last one do not exist (NaN; parallel decoding only).
+    deltas = torch.cat([inner, inner.new_full((trace.batch, 1), math.nan)], dim=1)
+    deltas = torch.where(trace.reached, deltas, math.nan)
+    deltas[trace.rows, trace.last_j] = last
     return deltas
+
+
+@dataclass
+class _Trace:
+    """A trace as ``progress_deltas`` reads it: l [B, R, L] float32 and the mask [B, R, L], both
+    cleared where a row never reached r_j; ``reached`` [B, R]; each row's last interval m_b."""
+
+    logp: Tensor
+    mask: Tensor
+    reached: Tensor
+    last_j: Tensor  # [B] long, m_b
+
+    @property
+    def batch(self) -> int:
+        return self.logp.shape[0]
+
+    @property
+    def rows(self) -> Tensor:
+        return torch.arange(self.batch, device=self.logp.device)
+
+    @property
+    def ragged(self) -> bool:
+        """Rows of different lengths (parallel decoding): some row misses a recorded step."""
+        return not bool(self.reached.all())
+
+    @classmethod
+    def read(cls, progress_logp, progress_mask, recorded_steps, num_steps) -> _Trace:
+        mask, logp = progress_mask.bool(), progress_logp.float()
+        if isinstance(num_steps, Tensor) and recorded_steps is not None:
+            steps = recorded_steps.to(logp.device)
+            reached = steps[None, :] < num_steps.to(logp.device)[:, None]  # [B, R]
+        else:  # the sampler's marker of a step never reached: nothing masked, every l[j, n] NaN
+            reached = mask.any(-1) | ~logp.isnan().all(-1)
+        if not bool(reached[:, 0].all()):
+            raise ValueError("every row must reach the first recorded step")
+        if not bool((reached[:, 1:] <= reached[:, :-1]).all()):
+            raise ValueError("a row reaches a recorded step after missing an earlier one")
+        if not bool(reached.all()):
+            logp = torch.where(reached[..., None], logp, 0.0)
+            mask = mask & reached[..., None]
+        return cls(logp, mask, reached, reached.sum(1) - 1)
+
+
+# δ of each row's last interval m_b, one rule per ``last_step`` mode (METHOD.md §2, "Progress"):
+# rule(trace, inner deltas [B, R-1], **the measured rule's inputs) -> [B].
+def _extrapolate(trace: _Trace, inner: Tensor, **_) -> Tensor:
+    """δ_{m-1}; 0 when the row has a single interval."""
+    if inner.shape[1] == 0:
+        return trace.logp.new_zeros(trace.batch)
+    previous = inner[trace.rows, (trace.last_j - 1).clamp_min(0)]
+    return torch.where(trace.last_j > 0, previous, 0.0)
+
+
+def _neutral(trace: _Trace, inner: Tensor, **_) -> Tensor:
+    """0."""
+    return trace.logp.new_zeros(trace.batch)
+
+
+def _raw(trace: _Trace, inner: Tensor, **_) -> Tensor:
+    """S(m, m): the mean of l[m] over the positions recorded at r_m."""
+    rows, m = trace.rows, trace.last_j
+    return _masked_mean(trace.logp[rows, m], trace.mask[rows, m])
+
+
+def _mean(trace: _Trace, inner: Tensor, **_) -> Tensor:
+    """The mean of the row's δ_0 .. δ_{m-1}; 0 when the row has a single interval."""
+    if inner.shape[1] == 0:
+        return trace.logp.new_zeros(trace.batch)
+    if not trace.ragged:
+        return inner.mean(1)
+    before = torch.arange(inner.shape[1], device=inner.device)[None, :] < trace.last_j[:, None]
+    return _masked_mean(inner, before)
+
+
+def _measured(trace: _Trace, inner: Tensor, *, last_logp, last_mask, recorded_steps, num_steps):
+    """The mean over last_mask & M_{r_m} of log p(x*_n | x_{T-1}) - l[m, n]; extrapolated when
+    r_m = T - 1 (x_{T-1} is the last recorded state itself: no later evidence)."""
+    if last_logp is None or last_mask is None or recorded_steps is None or num_steps is None:
+        raise ValueError(
+            "last_step='measured' needs last_logp, last_mask, recorded_steps and num_steps"
+        )
+    rows, m, logp = trace.rows, trace.last_j, trace.logp
+    if last_logp.shape != logp[:, -1].shape or last_mask.shape != last_logp.shape:
+        raise ValueError(
+            f"last_logp {tuple(last_logp.shape)} and last_mask {tuple(last_mask.shape)} "
+            f"must both be [B, L] = {tuple(logp[:, -1].shape)}"
+        )
+    last_recorded = recorded_steps.to(logp.device)[m]  # r_{m_b}
+    final = torch.as_tensor(num_steps, device=logp.device) - 1  # T_b - 1
+    if bool((last_recorded > final).any()):
+        raise ValueError(
+            f"recorded step {int(last_recorded.max())} is beyond the last step "
+            f"{int(torch.as_tensor(final).min())}"
+        )
+    measured = _masked_mean(
+        last_logp.float() - logp[rows, m], last_mask.bool() & trace.mask[rows, m]
+    )
+    return torch.where(last_recorded == final, _extrapolate(trace, inner), measured)
+
+
+LAST_INTERVAL = {
+    "extrapolate": _extrapolate,
+    "neutral": _neutral,
+    "raw": _raw,
+    "mean": _mean,
+    "measured": _measured,
+}
 
 
 def normalize(
@@ -166,8 +219,7 @@ def normalize(
     """
     if deltas.dim() != 2:
         raise ValueError(f"deltas must be [B, R], got {tuple(deltas.shape)}")
-    if axis not in NORM_AXES:
-        raise ValueError(f"axis must be one of {NORM_AXES}, got {axis!r}")
+    check_mode("axis", axis, NORM_AXES)
     valid = ~deltas.isnan() if valid is None else valid.bool() & ~deltas.isnan()
     if axis == "none":
         return torch.where(valid, deltas, math.nan)

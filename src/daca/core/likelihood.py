@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from daca.core.modeling import forward_logits, full_attention_mask
-
-STRATA = ("random", "interleaved", "contiguous")
+from daca.core.options import STRATA, check_mode, check_num_strata
 
 
 def _check_inputs(prompt_ids: Tensor, completion_ids: Tensor, attention_mask: Tensor | None):
@@ -162,15 +161,8 @@ def strata_assignment(
     Generator: ``random`` draws exactly one ``torch.rand(B, L, dtype=float64)`` (the permutation
     is its argsort), whatever K; the other two draw nothing.
     """
-    if strata not in STRATA:
-        raise ValueError(f"unknown strata {strata!r}; expected one of {STRATA}")
-    if num_strata < 1:
-        raise ValueError(f"num_strata must be >= 1, got {num_strata}")
-    if num_strata > length:
-        raise ValueError(
-            f"num_strata={num_strata} exceeds the completion length {length}: a stratum would be "
-            "empty"
-        )
+    check_mode("strata", strata, STRATA)
+    check_num_strata(num_strata, length)
     pos = torch.arange(length, device=device)
     if strata == "interleaved":
         return (pos % num_strata).expand(batch_size, length).clone()
@@ -222,8 +214,7 @@ def stratified_logp(
     _check_inputs(prompt_ids, completion_ids, attention_mask)
     B, L = completion_ids.shape
     if isinstance(strata, Tensor):
-        if num_strata < 1:
-            raise ValueError(f"num_strata must be >= 1, got {num_strata}")
+        check_num_strata(num_strata)
         k_of = _given_strata(strata, completion_ids.shape, num_strata)
     else:
         k_of = strata_assignment(

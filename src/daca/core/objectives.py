@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from daca.core.options import ADVANTAGE_BASELINES, GDPO_REDUCTIONS, REWARD_SCALES, check_mode
+
 
 def _token_mask(completion_mask: Tensor | None, like: Tensor) -> Tensor:
     if completion_mask is None:
@@ -65,9 +67,6 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, epsilon: float) -> tuple[Tens
     return -torch.min(unclipped, clipped), active
 
 
-ADVANTAGE_BASELINES = ("mean", "leave_one_out")
-
-
 def group_advantages(
     rewards: Tensor,
     num_generations: int,
@@ -91,10 +90,8 @@ def group_advantages(
             f"batch of {rewards.shape[0]} rewards is not a whole number of groups of "
             f"{num_generations}"
         )
-    if scale not in ("none", "group"):
-        raise ValueError(f"scale must be 'none' or 'group', got {scale!r}")
-    if baseline not in ADVANTAGE_BASELINES:
-        raise ValueError(f"baseline must be one of {ADVANTAGE_BASELINES}, got {baseline!r}")
+    check_mode("scale", scale, REWARD_SCALES)
+    check_mode("baseline", baseline, ADVANTAGE_BASELINES)
     if baseline == "leave_one_out" and num_generations < 2:
         raise ValueError("the leave-one-out baseline needs num_generations >= 2")
     grouped = rewards.view(-1, num_generations)
@@ -264,6 +261,7 @@ def gdpo_loss(
         _check_tokens(name, x, token_terms)
     if beta != 0 and ref_token_terms is None:
         raise ValueError("beta != 0 needs ref_token_terms for the KL term")
+    check_mode("reduction", reduction, GDPO_REDUCTIONS)
     if reduction == "sequence":
         return _gdpo_sequence_loss(
             token_terms,
@@ -275,8 +273,6 @@ def gdpo_loss(
             ref_token_terms=ref_token_terms,
             token_multipliers=token_multipliers,
         )
-    if reduction != "token":
-        raise ValueError(f"reduction must be 'token' or 'sequence', got {reduction!r}")
     mask = _token_mask(completion_mask, token_terms)
     num_tokens = mask.sum(-1).clamp_min(1)  # N
     elbo = (token_terms * mask).sum(-1)

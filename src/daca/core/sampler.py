@@ -20,11 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from daca.core.modeling import forward_logits, full_attention_mask
-
-REMASKING = ("low_confidence", "random")
-SCOPES = ("all", "block")
-CACHES = ("none", "prefix", "dual")
-TRACE_REFRESHES = ("full", "suffix")
+from daca.core.options import check_sampler
 
 
 @dataclass
@@ -477,7 +473,7 @@ def _forward_kind(block_cache, i: int, traced: bool, refresh_every, trace_refres
     return "block"
 
 
-def _check_arguments(prompt_ids, attention_mask, gen_length, steps, block_length, opts) -> None:
+def _check_prompts(prompt_ids: Tensor, attention_mask: Tensor | None) -> None:
     if prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids must be [B, P], got shape {tuple(prompt_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != prompt_ids.shape:
@@ -485,54 +481,151 @@ def _check_arguments(prompt_ids, attention_mask, gen_length, steps, block_length
             f"attention_mask shape {tuple(attention_mask.shape)} != prompt_ids shape "
             f"{tuple(prompt_ids.shape)}"
         )
-    if min(gen_length, steps, block_length) < 1:
-        raise ValueError(
-            f"gen_length, steps and block_length must be >= 1, got {gen_length}, {steps}, "
-            f"{block_length}"
+
+
+class _Sampler:
+    """One call of ``generate``: x, the masked set M, births and each row's clock, updated step by
+    step (METHOD.md §1 notation), and the forwards counted (docs/rollouts.md)."""
+
+    def __init__(self, model, prompt_ids, attention_mask, *, mask_id, gen_length, steps,
+                 block_length, temperature, cfg_scale, remasking, generator, cache, refresh_every,
+                 trace_refresh, parallel_threshold, recorder):  # fmt: skip
+        B, P = prompt_ids.shape
+        device = prompt_ids.device
+        self.model, self.B, self.P, self.L, self.bl = model, B, P, gen_length, block_length
+        self.steps, self.k = steps, steps // (gen_length // block_length)
+        self.temperature, self.cfg_scale, self.remasking = temperature, cfg_scale, remasking
+        self.generator, self.tau, self.recorder = generator, parallel_threshold, recorder
+        self.refresh_every, self.trace_refresh = refresh_every, trace_refresh
+        masks = torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)
+        self.x = torch.cat([prompt_ids, masks], 1)
+        self.attn = full_attention_mask(attention_mask, prompt_ids, gen_length)
+        if cfg_scale > 0:  # the unconditional half: the same input with the prompt masked
+            self.un_prompt = torch.full_like(prompt_ids, mask_id)
+            self.attn = None if self.attn is None else torch.cat([self.attn, self.attn])
+        self.block_cache = (
+            None if cache == "none" else BlockCache(model, cache, self.attn, P, P + gen_length)
         )
-    if gen_length % block_length:
-        raise ValueError(f"gen_length {gen_length} is not divisible by block_length {block_length}")
-    num_blocks = gen_length // block_length
-    if steps % num_blocks:
-        raise ValueError(f"steps {steps} is not divisible by the number of blocks {num_blocks}")
-    if opts["remasking"] not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {opts['remasking']!r}")
-    if opts["dps_scope"] not in SCOPES:
-        raise ValueError(f"dps_scope must be one of {SCOPES}, got {opts['dps_scope']!r}")
-    if opts["cache"] not in CACHES:
-        raise ValueError(f"cache must be one of {CACHES}, got {opts['cache']!r}")
-    every = opts["refresh_every"]
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"refresh_every must be None or an integer >= 1, got {every!r}")
-    if opts["trace_refresh"] not in TRACE_REFRESHES:
-        raise ValueError(
-            f"trace_refresh must be one of {TRACE_REFRESHES}, got {opts['trace_refresh']!r}"
+        self.masked = torch.ones(B, gen_length, dtype=torch.bool, device=device)  # M_t
+        self.birth = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
+        self.clock = torch.zeros(B, dtype=torch.long, device=device)  # each row's own step t_b
+        self.everyone = torch.ones(B, dtype=torch.bool, device=device)
+        suffix = {"suffix": 0} if trace_refresh == "suffix" else {}
+        self.forwards = {"full": 0, "block": 0} | suffix
+        self.t = 0  # the global step
+
+    def run(self) -> Rollout:
+        for c in range(self.L // self.bl):
+            self._decode_block(c)
+        return self._rollout()
+
+    def _decode_block(self, c: int) -> None:
+        """Block c's k steps (fewer under parallel decoding once every row has finished it)."""
+        lo, hi = c * self.bl, (c + 1) * self.bl
+        start_open = self.masked[:, lo:hi].sum(1)
+        schedule = transfer_schedule(start_open, self.k)
+        counts = schedule.tolist()
+        owed = schedule.cumsum(1)  # commits the schedule requires by the end of each step
+        for i in range(self.k):
+            active = self.everyone if self.tau is None else self.masked[:, lo:hi].any(1)
+            if not bool(active.any()):
+                break
+            self._step(c, i, active, counts, owed, start_open)
+
+    def _step(self, c, i, active, counts, owed, start_open) -> None:
+        """Step i of block c: one forward, candidates, the commits, the trace."""
+        lo, hi = c * self.bl, (c + 1) * self.bl
+        recorder = self.recorder
+        recorded = None if recorder is None else recorder.recorded_rows(self.clock, active)
+        traced = recorded is not None and bool(recorded.any())
+        # only the current block's logits decide commits; the trace may need later blocks
+        reach = recorder.reach_block(self.t, c) if traced else c
+        logits = self._logits(lo, hi, (reach + 1) * self.bl, i, traced)
+        open_block = self.masked[:, lo:hi]
+        x0, confidence = self._candidates(logits, open_block)
+        if self.tau is None:
+            step_counts = [row[i] for row in counts]
+        else:
+            due = owed[:, i] - (start_open - open_block.sum(1))
+            step_counts = threshold_counts(confidence, self.tau, due, active)
+        born = top_confidence_mask(confidence, step_counts)
+        block_tokens = self.x[:, self.P + lo : self.P + hi]  # a view: committing writes into x
+        block_tokens[born] = x0[born[open_block]]
+        self.birth[:, lo:hi] = torch.where(born, self.clock[:, None], self.birth[:, lo:hi])
+        if recorder is not None:
+            recorder.step(
+                block=c,
+                reach=reach,
+                logits=logits,
+                masked=self.masked,
+                born=born,
+                tokens=block_tokens,
+                clock=self.clock,
+                recorded=recorded,
+                last=self._last_rows(active, born),
+            )
+        self.masked[:, lo:hi] &= ~born
+        self.clock += active.long()
+        self.t += 1
+
+    def _logits(self, lo: int, hi: int, end: int, i: int, traced: bool) -> Tensor:
+        """Logits [B, end - lo, V] of completion positions lo..end-1 (guided with cfg_scale > 0),
+        from the forward this step runs (``_forward_kind``)."""
+        x, P, cache = self.x, self.P, self.block_cache
+        kind = _forward_kind(cache, i, traced, self.refresh_every, self.trace_refresh)
+        inp = x if self.cfg_scale == 0 else torch.cat([x, torch.cat([self.un_prompt, x[:, P:]], 1)])
+        if cache is None:
+            logits = forward_logits(self.model, inp, self.attn)[:, P + lo : P + end]
+        elif kind == "full":
+            logits = cache.refresh(inp, lo, hi, end)
+        elif kind == "suffix":
+            logits = cache.refresh_suffix(inp, lo, hi, end)
+        else:
+            logits = cache.block(inp, lo, hi)
+        self.forwards[kind] += 1
+        if self.cfg_scale > 0:
+            logits = guided_logits(logits[: self.B], logits[self.B :], self.cfg_scale)
+        return logits
+
+    def _candidates(self, logits: Tensor, open_block: Tensor) -> tuple[Tensor, Tensor]:
+        """Candidates x0 [N] of the N masked block positions (row order) and the confidence
+        [B, bl] of every block position (-inf where nothing can be committed): computed only
+        where they can be committed."""
+        cand_logits = logits[:, : self.bl][open_block]  # [N, V]
+        x0 = gumbel_argmax(cand_logits, self.temperature, self.generator)
+        conf = candidate_confidence(cand_logits, x0, self.remasking, self.generator)
+        confidence = torch.full(
+            (self.B, self.bl), -math.inf, dtype=conf.dtype, device=open_block.device
         )
-    stride, threshold = opts["dps_stride"], opts["parallel_threshold"]
-    if stride is not None:
-        if isinstance(stride, bool) or stride < 1:
-            raise ValueError(f"dps_stride must be None or an integer >= 1, got {stride!r}")
-        if stride >= steps:
-            raise ValueError(
-                f"dps_stride={stride} >= steps={steps} records a single step: there is no "
-                "interval to compare, so δ would be 0 for every token; use a stride below the "
-                "number of steps"
-            )
-        if threshold is not None and opts["dps_scope"] == "block":
-            raise ValueError(
-                "dps_scope='block' needs the fixed schedule: with parallel_threshold the block of "
-                "the next recorded step is unknown when a step is recorded; use dps_scope='all'"
-            )
-    temperature, cfg_scale = opts["temperature"], opts["cfg_scale"]
-    if temperature < 0 or cfg_scale < 0 or math.isnan(temperature) or math.isnan(cfg_scale):
-        raise ValueError(f"temperature and cfg_scale must be >= 0, got {temperature}, {cfg_scale}")
-    if threshold is not None:
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"parallel_threshold must lie in [0, 1], got {threshold}")
-        if opts["remasking"] != "low_confidence":
-            raise ValueError(
-                "parallel_threshold compares probabilities: use remasking='low_confidence'"
-            )
+        confidence[open_block] = conf
+        return x0, confidence
+
+    def _last_rows(self, active: Tensor, born: Tensor) -> Tensor:
+        """Rows whose last step this is: every row at step T-1; under parallel decoding, the
+        rows that commit their last masked position now."""
+        if self.tau is None:
+            return self.everyone if self.t == self.steps - 1 else ~self.everyone
+        return active & (self.masked.sum(1) == born.sum(1))
+
+    def _rollout(self) -> Rollout:
+        x, recorder = self.x, self.recorder
+        rollout = Rollout(
+            sequences=x,
+            completion_ids=x[:, self.P :],
+            birth_step=self.birth,
+            prompt_length=self.P,
+            num_steps=self.steps,
+            steps_taken=self.clock,
+            forwards=self.forwards,
+        )
+        if recorder is not None:
+            recorder.finish(self.clock)
+            rollout.recorded_steps = recorder.recorded_steps
+            rollout.progress_logp = recorder.progress_logp
+            rollout.progress_mask = recorder.progress_mask
+            rollout.last_logp, rollout.last_mask = recorder.last_logp, recorder.last_mask
+            rollout.trace_peak_bytes = recorder.peak_bytes
+        return rollout
 
 
 @torch.no_grad()
@@ -602,124 +695,37 @@ def generate(
     (NaN in ``progress_logp``) and `daca.core.dps` leaves such intervals out of the statistics.
     Without parallel_threshold every row takes every step (t_b = t, T_b = T).
     """
-    opts = dict(
+    _check_prompts(prompt_ids, attention_mask)
+    check_sampler(
+        gen_length=gen_length,
+        steps=steps,
+        block_length=block_length,
+        temperature=temperature,
+        cfg_scale=cfg_scale,
         remasking=remasking,
-        dps_scope=dps_scope,
-        dps_stride=dps_stride,
         cache=cache,
         refresh_every=refresh_every,
         trace_refresh=trace_refresh,
         parallel_threshold=parallel_threshold,
-        temperature=temperature,
-        cfg_scale=cfg_scale,
+        dps_stride=dps_stride,
+        dps_scope=dps_scope,
+        traced=dps_stride is not None,
     )
-    _check_arguments(prompt_ids, attention_mask, gen_length, steps, block_length, opts)
-    num_blocks = gen_length // block_length
-    B, P = prompt_ids.shape
-    L, bl, device = gen_length, block_length, prompt_ids.device
-    k = steps // num_blocks
-    x = torch.cat([prompt_ids, torch.full((B, L), mask_id, dtype=torch.long, device=device)], 1)
-    attn = full_attention_mask(attention_mask, prompt_ids, L)
-    if cfg_scale > 0:  # the unconditional half: the same input with the prompt masked
-        un_prompt = torch.full_like(prompt_ids, mask_id)
-        attn = None if attn is None else torch.cat([attn, attn])
-    block_cache = None if cache == "none" else BlockCache(model, cache, attn, P, P + L)
-    masked = torch.ones(B, L, dtype=torch.bool, device=device)  # M_t
-    birth = torch.full((B, L), -1, dtype=torch.long, device=device)
-    clock = torch.zeros(B, dtype=torch.long, device=device)  # each row's own step t_b
-    everyone = torch.ones(B, dtype=torch.bool, device=device)
-    forwards = {"full": 0, "block": 0} | ({"suffix": 0} if trace_refresh == "suffix" else {})
     recorder = None
     if dps_stride is not None:
         recorder = TraceRecorder(
-            batch=B,
-            gen_length=L,
-            block_length=bl,
+            batch=prompt_ids.shape[0],
+            gen_length=gen_length,
+            block_length=block_length,
             num_steps=steps,
             stride=dps_stride,
             scope=dps_scope,
-            device=device,
+            device=prompt_ids.device,
         )
-
-    t = 0  # the global step
-    for c in range(num_blocks):
-        lo, hi = c * bl, (c + 1) * bl
-        schedule = transfer_schedule(masked[:, lo:hi].sum(1), k)
-        counts = schedule.tolist()
-        owed = schedule.cumsum(1)  # commits the schedule requires by the end of each step
-        start_open = masked[:, lo:hi].sum(1)
-        for i in range(k):
-            active = everyone if parallel_threshold is None else masked[:, lo:hi].any(1)
-            if not bool(active.any()):
-                break
-            recorded = None if recorder is None else recorder.recorded_rows(clock, active)
-            traced = recorded is not None and bool(recorded.any())
-            # only the current block's logits decide commits; the trace may need later blocks
-            reach = recorder.reach_block(t, c) if traced else c
-            end = (reach + 1) * bl
-            kind = _forward_kind(block_cache, i, traced, refresh_every, trace_refresh)
-            inp = x if cfg_scale == 0 else torch.cat([x, torch.cat([un_prompt, x[:, P:]], 1)])
-            if block_cache is None:
-                logits = forward_logits(model, inp, attn)[:, P + lo : P + end]
-            elif kind == "full":
-                logits = block_cache.refresh(inp, lo, hi, end)
-            elif kind == "suffix":
-                logits = block_cache.refresh_suffix(inp, lo, hi, end)
-            else:
-                logits = block_cache.block(inp, lo, hi)
-            forwards[kind] += 1
-            if cfg_scale > 0:
-                logits = guided_logits(logits[:B], logits[B:], cfg_scale)
-            # candidates and confidences only where they can be committed: masked block positions
-            open_block = masked[:, lo:hi]
-            cand_logits = logits[:, :bl][open_block]  # [N, V], N masked positions in row order
-            x0 = gumbel_argmax(cand_logits, temperature, generator)
-            conf = candidate_confidence(cand_logits, x0, remasking, generator)
-            confidence = torch.full((B, bl), -math.inf, dtype=conf.dtype, device=device)
-            confidence[open_block] = conf
-            if parallel_threshold is None:
-                step_counts = [row[i] for row in counts]
-            else:
-                due = owed[:, i] - (start_open - open_block.sum(1))
-                step_counts = threshold_counts(confidence, parallel_threshold, due, active)
-            born = top_confidence_mask(confidence, step_counts)
-            block_tokens = x[:, P + lo : P + hi]  # a view: committing writes into x
-            block_tokens[born] = x0[born[open_block]]
-            birth[:, lo:hi] = torch.where(born, clock[:, None], birth[:, lo:hi])
-            if recorder is not None:
-                if parallel_threshold is None:
-                    last = everyone if t == steps - 1 else ~everyone
-                else:  # a row's last step is the one that commits its last masked position
-                    last = active & (masked.sum(1) == born.sum(1))
-                recorder.step(
-                    block=c,
-                    reach=reach,
-                    logits=logits,
-                    masked=masked,
-                    born=born,
-                    tokens=block_tokens,
-                    clock=clock,
-                    recorded=recorded,
-                    last=last,
-                )
-            masked[:, lo:hi] &= ~born
-            clock += active.long()
-            t += 1
-
-    rollout = Rollout(
-        sequences=x,
-        completion_ids=x[:, P:],
-        birth_step=birth,
-        prompt_length=P,
-        num_steps=steps,
-        steps_taken=clock,
-        forwards=forwards,
-    )
-    if recorder is not None:
-        recorder.finish(clock)
-        rollout.recorded_steps = recorder.recorded_steps
-        rollout.progress_logp = recorder.progress_logp
-        rollout.progress_mask = recorder.progress_mask
-        rollout.last_logp, rollout.last_mask = recorder.last_logp, recorder.last_mask
-        rollout.trace_peak_bytes = recorder.peak_bytes
-    return rollout
+    sampler = _Sampler(
+        model, prompt_ids, attention_mask, mask_id=mask_id, gen_length=gen_length, steps=steps,
+        block_length=block_length, temperature=temperature, cfg_scale=cfg_scale,
+        remasking=remasking, generator=generator, cache=cache, refresh_every=refresh_every,
+        trace_refresh=trace_refresh, parallel_threshold=parallel_threshold, recorder=recorder,
+    )  # fmt: skip
+    return sampler.run()

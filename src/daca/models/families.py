@@ -1,6 +1,6 @@
 """Per-family knowledge for training: LoRA targets, gradient checkpointing and model shapes.
 
-Shapes feed the memory estimate of ``daca train --dry-run`` (``daca.train.memory``), which must work
+Shapes feed the memory estimate of ``daca train --dry-run`` (``daca.tools.memory``), which must work
 from the config alone: a config.json (a local folder's, read as JSON with no remote code run; a
 built-in copy of LLaDA-8B's and Dream-7B's for their hub names; else the local hub cache's)
 builds the model on the meta device, and the shape is read off that module.

@@ -1,8 +1,8 @@
-"""Task rows to prompt token ids, and completion ids back to text, per model family.
+"""Prompt texts to token ids, and completion ids back to text, per model family.
 
-The tiny models read the task's compact character prompt (``prompt_format`` "compact");
-chat models read the task's chat prompt through the tokenizer's chat template. A prompt longer
-than the model reads is an error naming it, or, when asked, cut to its last tokens.
+Chat models read their prompts through the tokenizer's chat template, rendered here under a
+deadline (``render_chat``); a task row becomes a prompt text in ``daca.tasks.prompts``. A prompt
+longer than the model reads is an error naming it, or, when asked, cut to its last tokens.
 """
 
 from __future__ import annotations
@@ -11,35 +11,11 @@ import functools
 import sys
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from daca.models.loading import LoadedModel
-
-if TYPE_CHECKING:  # annotations only: the tasks sit a layer above the models
-    from daca.tasks import Task
-
-
-def prompt_texts(bundle: LoadedModel, task: Task, rows: list[dict]) -> list[str]:
-    if bundle.prompt_format == "compact":
-        if task.compact_prompt is None:
-            raise ValueError(f"the tiny model has no prompt format for task {task.name!r}")
-        return [task.compact_prompt(r) for r in rows]
-    tok = bundle.tokenizer
-    texts = []
-    for r in rows:
-        message = [{"role": "user", "content": task.chat_prompt(r)}]
-        if getattr(tok, "chat_template", None):
-            try:
-                texts.append(render_chat(tok, message))
-            except ChatTemplateError as e:
-                raise ChatTemplateError(f"{bundle.path or bundle.name}: {e}") from None
-        else:
-            texts.append(message[0]["content"])
-    return texts
-
 
 # ----------------------------------------------------------------------------- chat templates
 # A model folder's chat_template is a program (jinja) from whoever wrote the folder. transformers

@@ -755,29 +755,17 @@ def _execute_once(
     program, checks, *, isolation, python, timeout, memory_mb, max_procs, max_file_mb,
     scratch_mb, mode, peer_fds, proxies,
 ) -> ExecResult:  # fmt: skip
+    """One sandboxed run, in named steps: the run's folder (``code``, read-only for the sandbox,
+    and ``work``) with the launcher, the program and its spec; the process started, in its
+    cgroups when root; its wait and kill; the nonce-tagged stage lines it wrote; the verdict."""
     root = _is_root()
     uid = _next_uid() if root else os.getuid()
-    # Our uid's other tasks count against RLIMIT_NPROC too when we cannot switch uid.
-    limits = {
-        "RLIMIT_CPU": math.ceil(timeout) + 1,
-        "RLIMIT_AS": memory_mb * 1024 * 1024,
-        "RLIMIT_NPROC": max_procs if root else _tasks_of_uid(uid) + max_procs,
-        # Any one file, memfds included (they live outside the scratch tmpfs).
-        "RLIMIT_FSIZE": min(max_file_mb, scratch_mb) * 1024 * 1024,
-        "RLIMIT_CORE": 0,
-    }
+    limits = _resource_limits(timeout, memory_mb, max_procs, max_file_mb, scratch_mb, root, uid)
     nonce = secrets.token_hex(16)
     run_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
     cgroups = _take_cgroups(memory_mb, max_procs) if root else []
     try:
-        code_dir = os.path.join(run_dir, "code")  # read-only for the sandbox
-        work_dir = os.path.join(run_dir, "work")  # the fallback's cwd (bwrap uses its tmpfs)
-        for d in (code_dir, work_dir):
-            os.mkdir(d)
-        os.chmod(run_dir, 0o755)
-        os.chmod(code_dir, 0o755)
-        if root:
-            os.chown(work_dir, uid, uid)
+        code_dir, work_dir = _run_folders(run_dir, uid if root else None)
         inside = "/tmp/.sandbox" if isolation == "bwrap" else code_dir  # code_dir as seen inside
         with ExitStack() as stack:
             stdout, stderr, result = (
@@ -797,23 +785,11 @@ def _execute_once(
                 "peer_fds": list(peer_fds),
                 "proxies": list(proxies),
             }
-            for name, text in (("launcher.py", _LAUNCHER), ("program.py", program)):
-                with open(os.path.join(code_dir, name), "w", encoding="utf-8") as f:
-                    f.write(text)
-            # marshal (format 2: dicts, lists, str, int) loads fast, across Python versions.
-            with open(os.path.join(code_dir, "spec.bin"), "wb") as f:
-                marshal.dump(spec, f, 2)
-            for name in os.listdir(code_dir):
-                os.chmod(os.path.join(code_dir, name), 0o644)
+            _write_code(code_dir, program, spec)
             try:
-                if isolation == "bwrap":
-                    argv, cwd, home = _bwrap_argv(python, code_dir, scratch_mb), run_dir, "/tmp"
-                else:
-                    argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
-                    cwd = home = work_dir
-                argv = [*argv, os.path.join(inside, "spec.bin")]
-                if cgroups:  # waits for a first line, by then in its cgroups, then runs argv
-                    argv = ["/bin/sh", "-c", 'read _ && exec "$@"', "sh", *argv]
+                argv, cwd, home = _sandbox_argv(
+                    isolation, python, run_dir, scratch_mb, inside, cgroups
+                )
                 proc = subprocess.Popen(
                     argv,
                     stdin=subprocess.PIPE,
@@ -825,13 +801,7 @@ def _execute_once(
                     start_new_session=True,  # its own process group, killed as a whole
                     **({"user": uid, "group": uid, "extra_groups": []} if root else {}),
                 )
-                try:
-                    for folder in cgroups:
-                        _write(os.path.join(folder, "cgroup.procs"), str(proc.pid))
-                except OSError:
-                    proc.kill()
-                    proc.wait()
-                    raise
+                _join_cgroups(proc, cgroups)
             # e.g. the interpreter is not executable by the sandbox uid, or cannot say where
             # its runtime lives
             except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
@@ -844,15 +814,84 @@ def _execute_once(
             _kill_uid(uid)  # daemons that left the process group
         stdout_tail = _tail(os.path.join(run_dir, "stdout"))
         stderr_tail = _tail(os.path.join(run_dir, "stderr"))
-        with open(os.path.join(run_dir, "result"), encoding="utf-8", errors="replace") as f:
-            tag = nonce + " "
-            stages = [
-                line[len(tag) :].rstrip("\n").split(" ", 3) for line in f if line.startswith(tag)
-            ]
+        stages = _stage_lines(os.path.join(run_dir, "result"), nonce)
     finally:
         _give_back_cgroups(cgroups)
         shutil.rmtree(run_dir, ignore_errors=True)
     return _verdict(stages, len(checks), returncode, timed_out, timeout, stdout_tail, stderr_tail)
+
+
+def _resource_limits(timeout, memory_mb, max_procs, max_file_mb, scratch_mb, root, uid) -> dict:
+    """The rlimits the launcher sets on itself before it runs the program."""
+    return {
+        "RLIMIT_CPU": math.ceil(timeout) + 1,
+        "RLIMIT_AS": memory_mb * 1024 * 1024,
+        # Our uid's other tasks count against RLIMIT_NPROC too when we cannot switch uid.
+        "RLIMIT_NPROC": max_procs if root else _tasks_of_uid(uid) + max_procs,
+        # Any one file, memfds included (they live outside the scratch tmpfs).
+        "RLIMIT_FSIZE": min(max_file_mb, scratch_mb) * 1024 * 1024,
+        "RLIMIT_CORE": 0,
+    }
+
+
+def _run_folders(run_dir: str, owner: int | None) -> tuple[str, str]:
+    """``code`` (read-only for the sandbox) and ``work`` (the fallback's cwd; bwrap uses its
+    tmpfs), ``work`` owned by the sandbox uid ``owner`` when root."""
+    code_dir = os.path.join(run_dir, "code")
+    work_dir = os.path.join(run_dir, "work")
+    for d in (code_dir, work_dir):
+        os.mkdir(d)
+    os.chmod(run_dir, 0o755)
+    os.chmod(code_dir, 0o755)
+    if owner is not None:
+        os.chown(work_dir, owner, owner)
+    return code_dir, work_dir
+
+
+def _write_code(code_dir: str, program: str, spec: dict) -> None:
+    """The launcher, the program and the spec, readable by the sandbox uid."""
+    for name, text in (("launcher.py", _LAUNCHER), ("program.py", program)):
+        with open(os.path.join(code_dir, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    # marshal (format 2: dicts, lists, str, int) loads fast, across Python versions.
+    with open(os.path.join(code_dir, "spec.bin"), "wb") as f:
+        marshal.dump(spec, f, 2)
+    for name in os.listdir(code_dir):
+        os.chmod(os.path.join(code_dir, name), 0o644)
+
+
+def _sandbox_argv(isolation, python, run_dir, scratch_mb, inside, cgroups):
+    """(argv, cwd, HOME) of the launcher: inside bubblewrap, or the plain-subprocess fallback;
+    with cgroups, behind a shell that waits for a first line (by then it is in its cgroups)."""
+    code_dir, work_dir = os.path.join(run_dir, "code"), os.path.join(run_dir, "work")
+    if isolation == "bwrap":
+        argv, cwd, home = _bwrap_argv(python, code_dir, scratch_mb), run_dir, "/tmp"
+    else:
+        argv = [python, "-I", "-B", os.path.join(code_dir, "launcher.py")]
+        cwd = home = work_dir
+    argv = [*argv, os.path.join(inside, "spec.bin")]
+    if cgroups:
+        argv = ["/bin/sh", "-c", 'read _ && exec "$@"', "sh", *argv]
+    return argv, cwd, home
+
+
+def _join_cgroups(proc, cgroups) -> None:
+    """Move the started process into its cgroups (it waits for its first line until then)."""
+    try:
+        for folder in cgroups:
+            _write(os.path.join(folder, "cgroup.procs"), str(proc.pid))
+    except OSError:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _stage_lines(path: str, nonce: str) -> list[list[str]]:
+    """The launcher's stage lines, those tagged with this run's nonce (the program cannot forge
+    them without it), split into their fields."""
+    tag = nonce + " "
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line[len(tag) :].rstrip("\n").split(" ", 3) for line in f if line.startswith(tag)]
 
 
 def _verdict(stages, n_checks, returncode, timed_out, timeout, stdout_tail, stderr_tail):

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from daca.core import options
 from daca.shipped import SHIPPED, tiny_for_task
 from daca.train.methods import METHODS, MethodName
 
@@ -39,14 +40,14 @@ class GenerationConfig:
     block_length: int = _f(16, "semi-autoregressive block length; divides gen_length")
     temperature: float = _f(0.9, "Gumbel temperature for training rollouts (evaluation uses 0)")
     cfg_scale: float = _f(0.0, "classifier-free guidance scale (0 = off)")
-    remasking: Literal["low_confidence", "random"] = _f("low_confidence", "commit order")
-    cache: Literal["none", "prefix", "dual"] = _f(
+    remasking: Literal[options.REMASKING] = _f("low_confidence", "commit order")
+    cache: Literal[options.CACHES] = _f(
         "none", "block KV cache of the rollouts, refreshed at every recorded DPS step (rollouts.md)"
     )
     refresh_every: int | None = _f(
         None, "with a cache, also refresh it at every n-th step of a block (docs/rollouts.md)"
     )
-    trace_refresh: Literal["full", "suffix"] = _f(
+    trace_refresh: Literal[options.TRACE_REFRESHES] = _f(
         "full", "with a cache, a recorded DPS step runs a full forward, or only block + suffix"
     )
     parallel_threshold: float | None = _f(
@@ -61,13 +62,9 @@ class DPSConfig:
     enabled: bool = _f(True, "modulate each token's advantage by the progress of its birth step")
     lam: float = _f(0.5, "strength λ of the multiplier 1 + λ·δ̄")
     stride: int = _f(4, "record the trace every s steps (r_j = j·s)")
-    last_step: Literal["extrapolate", "neutral", "raw", "mean", "measured"] = _f(
-        "extrapolate", "δ of the last interval"
-    )
-    norm_axis: Literal["per_step", "trajectory", "group", "none"] = _f(
-        "per_step", "axis over which δ is z-scored"
-    )
-    scope: Literal["all", "block"] = _f("all", "trace every masked position, or the block only")
+    last_step: Literal[options.LAST_STEP_MODES] = _f("extrapolate", "δ of the last interval")
+    norm_axis: Literal[options.NORM_AXES] = _f("per_step", "axis over which δ is z-scored")
+    scope: Literal[options.DPS_SCOPES] = _f("all", "trace every masked position, or the block only")
     clamp_min: float | None = _f(None, "lower clamp of the multiplier (0 keeps advantage signs)")
 
 
@@ -77,7 +74,7 @@ class SMLConfig:
 
     enabled: bool = _f(False, "use the stratified likelihood")
     num_strata: int = _f(4, "K strata; each token sees (K-1)/K of the completion")
-    strata: Literal["random", "interleaved", "contiguous"] = _f("random", "how strata are cut")
+    strata: Literal[options.STRATA] = _f("random", "how strata are cut")
     eta: float = _f(0.1, "wd1 only: weight η of the SML likelihood term")
 
 
@@ -90,6 +87,15 @@ class LoRAConfig:
     alpha: int = _f(64, "scaling α")
     dropout: float = _f(0.05, "adapter dropout")
     target_modules: list[str] | None = _f(None, "module names; None = the family's default")
+
+
+# The ablation grid's variants: (dps.enabled, sml.enabled).
+VARIANT_SWITCHES = {
+    "base": (False, False),
+    "dps": (True, False),
+    "sml": (False, True),
+    "daca": (True, True),
+}
 
 
 @dataclass
@@ -116,7 +122,7 @@ class TrainConfig:
         "take the method's published settings (its reference code's learning rate, β, μ: "
         "daca.train.methods) over the recipe's, unless given on the command line",
     )
-    variant: Literal["base", "dps", "sml", "daca"] | None = _f(
+    variant: Literal[tuple(VARIANT_SWITCHES)] | None = _f(
         None, "the ablation grid's switch: sets dps.enabled and sml.enabled together"
     )
     # The tiny default decodes in 8 steps: stride 2 gives 4 intervals (the paper's 4 is for T=128).
@@ -138,10 +144,10 @@ class TrainConfig:
     )
     epsilon: float = _f(0.5, "PPO clip ε")
     p_mask_prompt: float = _f(0.15, "prompt masking probability of the mean-field estimate")
-    scale_rewards: Literal["none", "group"] = _f("none", "divide advantages by the group std")
+    scale_rewards: Literal[options.REWARD_SCALES] = _f("none", "divide advantages by the group std")
     psi: float = _f(1.0, "wd1 weight temperature ψ")
     quadrature: str = _f("gauss-3", "GDPO ELBO quadrature")
-    gdpo_reduction: Literal["sequence", "token"] = _f(
+    gdpo_reduction: Literal[options.GDPO_REDUCTIONS] = _f(
         "sequence",
         "GDPO: 'sequence' = the reference code's (⌊t·L⌋ of all L positions masked, padding "
         "included; ratio exp(ΔELBO / L); sequence mean; KL on the raw ELBO), 'token' = over the "
@@ -224,10 +230,10 @@ def _check_value(key: str, tp, value):
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
     if origin is Literal:
-        if value not in args:
-            near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
+        try:
+            options.check_mode(key, value, args)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return value
     if origin is list:
         if not isinstance(value, list | tuple):
@@ -326,7 +332,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     for path_, value in parsed:
         merge_override(data, path_, value)
     given = {".".join(path_) for path_, _ in parsed}
-    method = data.get("method", "wd1")
+    method = data.get("method", TrainConfig.method)
     if data.get("published_settings") is True and isinstance(method, str) and method in METHODS:
         for key, value in METHODS[method].published.items():
             if key not in given:  # the command line wins over the method's published value
@@ -361,15 +367,6 @@ def _shipped_lengths(data: dict) -> None:
     for key in _SHIPPED_LENGTHS:
         if key in trained:
             section.setdefault(key, trained[key])
-
-
-# The ablation grid's variants: (dps.enabled, sml.enabled).
-VARIANT_SWITCHES = {
-    "base": (False, False),
-    "dps": (True, False),
-    "sml": (False, True),
-    "daca": (True, True),
-}
 
 
 def variant_label(cfg: TrainConfig) -> str:
@@ -434,63 +431,40 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+# The sampler's arguments (daca.core.options.check_sampler) as the config's (section, field).
+SAMPLER_FIELDS = {
+    **{f.name: ("generation", f.name) for f in dataclasses.fields(GenerationConfig)},
+    "dps_stride": ("dps", "stride"),
+    "dps_scope": ("dps", "scope"),
+    "num_strata": ("sml", "num_strata"),
+}
+
+
 def check_sampling(
     g: GenerationConfig,
     dps: DPSConfig,
     sml: SMLConfig,
     key: typing.Callable[[str, str], str] = _dotted,
 ) -> None:
-    """Contradictions within the sampler, DPS and SML sections, each named with the fix;
-    ``key(section, field)`` spells a field's name (``generation.gen_length`` here, the flat
-    ``gen_length`` / ``dps_stride`` of ``DACAGRPOConfig``)."""
-    length, block, steps = (
-        key("generation", "gen_length"),
-        key("generation", "block_length"),
-        key("generation", "steps"),
-    )
-    _need(g.gen_length > 0, f"{length} must be positive, got {g.gen_length}")
-    _need(g.block_length > 0, f"{block} must be positive, got {g.block_length}")
-    _need(
-        g.gen_length % g.block_length == 0,
-        f"{length}={g.gen_length} is not a multiple of {block}={g.block_length}",
-    )
-    blocks = g.gen_length // g.block_length
-    _need(
-        g.steps > 0 and g.steps % blocks == 0,
-        f"{steps}={g.steps} is not divisible by the number of blocks "
-        f"{blocks} (gen_length / block_length)",
-    )
-    temperature = key("generation", "temperature")
-    _need(g.temperature >= 0, f"{temperature} must be >= 0, got {g.temperature}")
-    every = g.refresh_every
-    _need(
-        every is None or every >= 1,
-        f"{key('generation', 'refresh_every')} must be >= 1 (or null), got {every}",
-    )
-    tau, threshold = g.parallel_threshold, key("generation", "parallel_threshold")
-    _need(tau is None or 0 <= tau <= 1, f"{threshold} must lie in [0, 1] (or null), got {tau}")
-    _need(
-        tau is None or g.remasking == "low_confidence",
-        f"{threshold} compares probabilities: set {key('generation', 'remasking')}=low_confidence",
-    )
-    _need(
-        tau is None or not dps.enabled or dps.scope == "all",
-        f"{threshold} needs {key('dps', 'scope')}=all (with parallel decoding the block "
-        "of the next recorded step is unknown when a step is recorded)",
-    )
-    stride = key("dps", "stride")
-    _need(dps.stride >= 1, f"{stride} must be >= 1, got {dps.stride}")
-    _need(
-        not dps.enabled or dps.stride < g.steps,
-        f"{stride}={dps.stride} >= {steps}={g.steps} records a single step (no "
-        "interval, so δ would be 0): use a stride below the number of steps",
-    )
-    strata = key("sml", "num_strata")
-    _need(sml.num_strata >= 1, f"{strata} must be >= 1, got {sml.num_strata}")
-    _need(
-        sml.num_strata <= g.gen_length,
-        f"{strata}={sml.num_strata} exceeds {length}={g.gen_length}",
-    )
+    """Contradictions within the sampler, DPS and SML sections: the core's rules
+    (``daca.core.options``), each named with the fix; ``key(section, field)`` spells a field's
+    name (``generation.gen_length`` here, the flat ``gen_length`` / ``dps_stride`` of
+    ``DACAGRPOConfig``). A ConfigError."""
+
+    def name(argument: str) -> str:
+        return key(*SAMPLER_FIELDS[argument])
+
+    try:
+        options.check_sampler(
+            **{f.name: getattr(g, f.name) for f in dataclasses.fields(g)},
+            dps_stride=dps.stride,
+            dps_scope=dps.scope,
+            traced=dps.enabled,
+            key=name,
+        )
+        options.check_num_strata(sml.num_strata, g.gen_length, key=name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def validate(cfg: TrainConfig, world_size: int = 1) -> None:

@@ -1,6 +1,6 @@
-"""Held-out evaluation of a task, shared by ``pretrain``, ``eval`` and ``sample`` (the generation
-itself is ``daca.train.rollout.rollout``; ``Trainer.evaluate`` shards the held-out set over
-processes and calls the same rollout and scoring)."""
+"""Held-out evaluation of a task: ``score_rows`` is the loop (generate, then score, batch by
+batch) of ``evaluate`` (``pretrain``, ``eval``, ``sample``) and of ``Trainer.evaluate``, which
+shards the held-out set over processes."""
 
 from __future__ import annotations
 
@@ -56,14 +56,53 @@ def evaluate(
     model-written code first checks that the sandbox works (``SandboxUnavailable`` says how to
     fix it).
     """
-    from daca.tasks.rewards import score_completions
-
     if task.executes_code:
         from daca.tasks.sandbox import isolation_available
 
         isolation_available()
-    was_training = bundle.model.training
-    bundle.model.eval()
+    result = score_rows(
+        bundle,
+        task,
+        rows,
+        gen,
+        batch_size=batch_size,
+        temperature=temperature,
+        generator=generator,
+        progress=progress,
+        timeout=reward_timeout,
+    )
+    result.mean, result.ci95 = mean_ci95(result.scores)
+    return result
+
+
+@torch.no_grad()
+def score_rows(
+    bundle: LoadedModel,
+    task: Task,
+    rows: list[dict],
+    gen: GenerationConfig,
+    *,
+    model=None,
+    batch_size: int = 100,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    on_error: str = "zero",
+    on_timeout: str = "zero",
+    timeout: float | None = REWARD_TIMEOUT,
+    limit: int | None = None,
+    truncate: bool = False,
+    progress: bool = False,
+) -> EvalResult:
+    """The evaluation loop of ``evaluate`` and ``Trainer.evaluate``: ``model`` (default
+    ``bundle.model``, in eval mode meanwhile) completes ``rows`` ``batch_size`` at a time
+    (``daca.train.rollout.rollout``; ``limit`` and ``truncate`` fit the prompts) and the task's
+    metric scores them, guarded (``on_error``, ``on_timeout``, ``timeout``). Its mean and
+    interval are left NaN."""
+    from daca.tasks.rewards import score_completions
+
+    model = bundle.model if model is None else model
+    was_training = model.training
+    model.eval()
     scores, completions, prompts, steps = [], [], [], []
     batches = range(0, len(rows), batch_size)
     if progress:
@@ -73,15 +112,29 @@ def evaluate(
     try:
         for start in batches:
             chunk = rows[start : start + batch_size]
-            done = rollout(bundle, task, chunk, gen, temperature=temperature, generator=generator)
+            done = rollout(
+                bundle,
+                task,
+                chunk,
+                gen,
+                model=model,
+                temperature=temperature,
+                generator=generator,
+                limit=limit,
+                truncate=truncate,
+            )
             columns = {c: [r.get(c) for r in chunk] for c in task.columns}
             scores += score_completions(
-                task.score, done.texts, columns, on_error="zero", timeout=reward_timeout
+                task.score,
+                done.texts,
+                columns,
+                on_error=on_error,
+                on_timeout=on_timeout,
+                timeout=timeout,
             )
             completions += done.texts
             prompts += done.prompts
             steps += done.rollout.steps_taken.tolist()
     finally:
-        bundle.model.train(was_training)
-    mean, ci = mean_ci95(scores)
-    return EvalResult(mean, ci, scores, completions, prompts, steps)
+        model.train(was_training)
+    return EvalResult(math.nan, math.nan, scores, completions, prompts, steps)

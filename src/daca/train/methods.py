@@ -2,8 +2,11 @@
 ablation grid and the memory estimate need to know about a method, so that no other module
 tests a method's name. Adding a base method = its estimator and loss in the core, one entry here.
 
-An entry's callables take the run's ``TrainConfig`` (and, for the estimator, a ``RolloutBatch``
-of the trainer: ``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completion_mask``).
+An entry's callables take the run's ``TrainConfig`` as ``cfg`` (and, for the estimator, a
+``RolloutBatch`` of the trainer: ``prompt_ids``, ``prompt_mask``, ``completion_ids``,
+``completion_mask``). ``cfg`` is not annotated: ``daca.train.config`` imports this registry (the
+names, betas and published settings it validates and fills in), and this module imports nothing
+back, not even for annotations.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-    from daca.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class BaseMethod:
     sml: how SML enters: ``"enriched"`` ratio ½(ℓ^base + ℓ^SML) for the current, old and
         reference policies, or wd1's ``"regulariser"`` −(η/G)·Σ log p^SML.
     forward_views(cfg) -> (views stacked in the estimator's forward, completion rows scored
-        per token over them): the memory estimate's factors (``daca.train.memory``).
+        per token over them): the memory estimate's factors (``daca.tools.memory``).
     in_paper: one of the paper's three base methods (``daca compare``'s default grid).
     published: the settings of the method's reference code that differ between methods (μ, where
         not the task's, β, learning rate), which a recipe with ``published_settings: true`` takes
@@ -50,7 +51,7 @@ class BaseMethod:
     compare_iterations: int
     baseline: str
     sml: Literal["enriched", "regulariser"]
-    forward_views: Callable[[TrainConfig], tuple[int, float]]
+    forward_views: Callable[..., tuple[int, float]]
     in_paper: bool = True
     published: dict = field(default_factory=dict)
 
@@ -58,7 +59,7 @@ class BaseMethod:
 # ----------------------------------------------------------------- estimators
 # Each callable imports the core (torch) when called: the configuration and `daca --help` read
 # the registry's names and numbers without importing torch.
-def _mean_field(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
+def _mean_field(model, batch, cfg, generator, mask_id: int) -> Tensor:
     """d1's ℓ^MF with the config's prompt masking (Diffu-GRPO, wd1)."""
     from daca.core import likelihood
 
@@ -73,7 +74,7 @@ def _mean_field(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tens
     )
 
 
-def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
+def _elbo(model, batch, cfg, generator, mask_id: int) -> Tensor:
     """GDPO's quadrature ELBO token terms: as the reference code, ⌊t·L⌋ of all L completion
     positions masked, padding included (``gdpo_reduction="sequence"``), or max(1, ⌊t·N⌋) of
     the N real tokens only ("token")."""
@@ -93,7 +94,7 @@ def _elbo(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
     )
 
 
-def _coupled(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
+def _coupled(model, batch, cfg, generator, mask_id: int) -> Tensor:
     """coupled-GRPO's ℓ^C with one complementary pair (DiffuCoder's λ = 1; prompt unmasked)."""
     from daca.core import likelihood
 
@@ -108,7 +109,7 @@ def _coupled(model, batch, cfg: TrainConfig, generator, mask_id: int) -> Tensor:
 
 
 # ----------------------------------------------------------------- losses
-def _wd1_loss(cfg: TrainConfig, logp, *, advantages, completion_mask, token_multipliers, **rest):
+def _wd1_loss(cfg, logp, *, advantages, completion_mask, token_multipliers, **rest):
     from daca.core import objectives
 
     return objectives.wd1_loss(
@@ -123,7 +124,7 @@ def _wd1_loss(cfg: TrainConfig, logp, *, advantages, completion_mask, token_mult
     )
 
 
-def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
+def _ratio_loss(objective, ref_key: str, cfg, logp, **kw):
     """A ratio method's loss: ``objective(logp, old, A, mask, ε, β, <ref_key>=ref, m, **extra)``
     (``extra``: ``kw["extra"]``, the method's own options)."""
     return objective(
@@ -140,31 +141,31 @@ def _ratio_loss(objective, ref_key: str, cfg: TrainConfig, logp, **kw):
 
 
 # The objectives are looked up when called (tests replace them with spies).
-def _diffu_grpo_loss(cfg: TrainConfig, logp, **kw):
+def _diffu_grpo_loss(cfg, logp, **kw):
     from daca.core import objectives
 
     return _ratio_loss(objectives.diffu_grpo_loss, "ref_logp", cfg, logp, **kw)
 
 
-def _gdpo_loss(cfg: TrainConfig, logp, **kw):
+def _gdpo_loss(cfg, logp, **kw):
     from daca.core import objectives
 
     extra = {"reduction": cfg.gdpo_reduction}
     return _ratio_loss(objectives.gdpo_loss, "ref_token_terms", cfg, logp, extra=extra, **kw)
 
 
-def _coupled_grpo_loss(cfg: TrainConfig, logp, **kw):
+def _coupled_grpo_loss(cfg, logp, **kw):
     from daca.core import objectives
 
     return _ratio_loss(objectives.coupled_grpo_loss, "ref_logp", cfg, logp, **kw)
 
 
 # ----------------------------------------------------------------- memory factors
-def _one_view(cfg: TrainConfig) -> tuple[int, float]:
+def _one_view(cfg) -> tuple[int, float]:
     return 1, 1.0
 
 
-def _quadrature_views(cfg: TrainConfig) -> tuple[int, float]:
+def _quadrature_views(cfg) -> tuple[int, float]:
     """One view per node; node t masks t·L positions and the nodes' t sum to n / 2."""
     from daca.core import likelihood
 
@@ -172,7 +173,7 @@ def _quadrature_views(cfg: TrainConfig) -> tuple[int, float]:
     return nodes, nodes / 2
 
 
-def _coupled_views(cfg: TrainConfig) -> tuple[int, float]:
+def _coupled_views(cfg) -> tuple[int, float]:
     """1 + 2λ views (λ = 1): the full mask scores every token, each pair every token once."""
     return 3, 2.0
 

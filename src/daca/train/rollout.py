@@ -1,9 +1,12 @@
-"""The training rollout: prompts of a step, one completion per row with the denoising trace,
-rewards and group advantages, then DPS multipliers over all of the step's trajectories.
+"""The rollout half of a training step: prompts of a step, one completion per row with the
+denoising trace, rewards and group advantages, then DPS multipliers over all of the step's
+trajectories.
 
-``rollout()`` generates for a list of task rows (evaluation uses it too); ``RolloutSteps`` holds
-the parts of ``Trainer`` that build a step's ``RolloutBatch``es. Every random draw comes from a
-generator seeded by (seed, step, rank, ...) so that a resumed run continues exactly.
+The plain functions are what both front-ends call (``daca train``'s ``RolloutSteps`` and
+``daca.integrations.trl``): ``sample`` is the one sampler call of every rollout,
+``sample_micro_batch`` a training micro-batch with its seeded generator (``daca.train.seeds``)
+and ``dps_multipliers`` the step's DPS over all its rollouts. ``rollout()`` generates for task
+rows (the evaluation loop uses it too).
 """
 
 from __future__ import annotations
@@ -24,30 +27,13 @@ from daca.models.prompts import (
     decode_completions,
     fit_prompts,
     pad_prompts,
-    prompt_texts,
     prompt_token_ids,
 )
 from daca.tasks import Task
+from daca.tasks.prompts import prompt_texts
 from daca.tasks.rewards import score_rewards
-from daca.train.config import GenerationConfig
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (stable across runs and processes)."""
-    h = 1469598103934665603
-    for p in parts:
-        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
-    return h
-
-
-def seeded_generator(device, *parts: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
-
-
-def sampler_generator(device, seed: int, step: int, micro: int, rank: int) -> torch.Generator:
-    """The sampler's generator of micro-batch ``micro`` of step ``step`` on process ``rank``
-    (``daca train`` and the TRL front-end with ``method=``: the same rollouts)."""
-    return seeded_generator(device, seed, step, micro, rank, 7)
+from daca.train.config import DPSConfig, GenerationConfig, TrainConfig
+from daca.train.seeds import data_order_seed, sampler_generator
 
 
 def sampler_options(gen: GenerationConfig, temperature: float | None = None) -> dict:
@@ -57,6 +43,72 @@ def sampler_options(gen: GenerationConfig, temperature: float | None = None) -> 
     if temperature is not None:
         options["temperature"] = temperature
     return options
+
+
+def sample(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    gen: GenerationConfig,
+    *,
+    mask_id: int,
+    temperature: float | None = None,
+    generator: torch.Generator | None = None,
+    dps_stride: int | None = None,
+    dps_scope: str = "all",
+) -> Rollout:
+    """The sampler call of every rollout, training and evaluation, in both front-ends: ``generate``
+    on left-padded prompts with the settings of ``gen`` (its ``cache`` and ``parallel_threshold``
+    included; ``temperature`` overrides its temperature), recording the DPS trace every
+    ``dps_stride`` steps."""
+    return generate(
+        model,
+        prompt_ids,
+        prompt_mask,
+        mask_id=mask_id,
+        **sampler_options(gen, temperature),
+        generator=generator,
+        dps_stride=dps_stride,
+        dps_scope=dps_scope,
+    )
+
+
+def sample_micro_batch(
+    model, prompt_ids: Tensor, prompt_mask: Tensor, cfg: TrainConfig, *, step, micro, rank, mask_id
+) -> Rollout:
+    """Micro-batch ``micro`` of step ``step`` on process ``rank``: sampled at the training
+    temperature, with the DPS trace when DPS is on, from the generator of (seed, step, micro-batch,
+    rank) (``daca.train.seeds.sampler_generator``)."""
+    return sample(
+        model,
+        prompt_ids,
+        prompt_mask,
+        cfg.generation,
+        mask_id=mask_id,
+        generator=sampler_generator(prompt_ids.device, cfg.seed, step, micro, rank),
+        dps_stride=cfg.dps.stride if cfg.dps.enabled else None,
+        dps_scope=cfg.dps.scope,
+    )
+
+
+def dps_multipliers(
+    rollouts: list[Rollout], cfg: DPSConfig, *, gather=None, rank: int = 0
+) -> tuple[list[Tensor | None], list[Tensor | None], dict]:
+    """DPS of one optimizer step (``daca.core.dps.step_multipliers``): the multipliers [B, L] and
+    normalised δ [B, R] of each rollout, δ z-scored over all the step's trajectories (every
+    micro-batch; every process through ``gather``, METHOD.md §2 [decision]), and the ``dps/*``
+    metrics; with DPS off, None for each rollout and no metrics."""
+    if not cfg.enabled:
+        return [None] * len(rollouts), [None] * len(rollouts), {}
+    return dps.step_multipliers(
+        rollouts,
+        lam=cfg.lam,
+        last_step=cfg.last_step,
+        norm_axis=cfg.norm_axis,
+        clamp_min=cfg.clamp_min,
+        gather=gather,
+        rank=rank,
+    )
 
 
 @dataclass
@@ -75,6 +127,35 @@ class RolloutBatch:
     rollout: Rollout | None = None  # the sampler's output, until DPS has read its trace
     prompts: list[str] = field(default_factory=list)
     columns: dict[str, list] = field(default_factory=dict)  # the task's columns, per completion
+
+
+@dataclass
+class Prompts:
+    """Task rows' prompts as the model reads them."""
+
+    texts: list[str]
+    ids: Tensor  # [B, P] long, left padded, on the model's device
+    mask: Tensor  # [B, P], 1 = real token
+    truncated: int  # prompts cut to fit (``truncate=True``)
+
+
+def encode_rows(
+    bundle: LoadedModel,
+    task: Task,
+    rows: list[dict],
+    device,
+    *,
+    limit: int | None = None,
+    truncate: bool = False,
+) -> Prompts:
+    """The rows' prompts, tokenized and left padded (``daca.models.prompts.pad_prompts``).
+
+    Prompts longer than ``limit`` tokens (or the tiny model's width) are a ValueError, or with
+    ``truncate`` keep their last tokens (``daca.models.prompts.fit_prompts``)."""
+    texts = prompt_texts(bundle, task, rows)
+    ids, cut = fit_prompts(prompt_token_ids(bundle, texts), limit, truncate=truncate, texts=texts)
+    prompt_ids, prompt_mask = pad_prompts(bundle, ids)
+    return Prompts(texts, prompt_ids.to(device), prompt_mask.to(device), cut)
 
 
 @dataclass
@@ -103,30 +184,23 @@ def rollout(
     truncate: bool = False,
 ) -> Generated:
     """Generate one completion per row with ``model`` (default ``bundle.model``), with the
-    sampler settings of ``gen`` (its ``cache`` and ``parallel_threshold`` included).
-
-    Prompts longer than ``limit`` tokens (or the tiny model's width) are a ValueError, or with
-    ``truncate`` keep their last tokens (``daca.models.prompts.fit_prompts``)."""
+    sampler settings of ``gen`` (``sample``); prompts as ``encode_rows`` fits them."""
     model = bundle.model if model is None else model
-    prompts = prompt_texts(bundle, task, rows)
-    ids, cut = fit_prompts(
-        prompt_token_ids(bundle, prompts), limit, truncate=truncate, texts=prompts
-    )
-    prompt_ids, prompt_mask = pad_prompts(bundle, ids)
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    out = generate(
+    prompts = encode_rows(bundle, task, rows, device, limit=limit, truncate=truncate)
+    out = sample(
         model,
-        prompt_ids,
-        prompt_mask,
+        prompts.ids,
+        prompts.mask,
+        gen,
         mask_id=bundle.mask_id,
-        **sampler_options(gen, temperature),
+        temperature=temperature,
         generator=generator,
         dps_stride=dps_stride,
         dps_scope=dps_scope,
     )
     texts = decode_completions(bundle, out.completion_ids.cpu())
-    return Generated(texts, out, prompt_mask, prompts, cut)
+    return Generated(texts, out, prompts.mask, prompts.texts, prompts.truncated)
 
 
 class RolloutSteps:
@@ -151,43 +225,76 @@ class RolloutSteps:
     def _permutation(self, epoch: int) -> list[int]:
         if self._perm_epoch != epoch:
             perm = list(range(len(self.train_rows)))
-            random.Random(derive_seed(self.cfg.seed, epoch)).shuffle(perm)
+            random.Random(data_order_seed(self.cfg.seed, epoch)).shuffle(perm)
             self._perm_epoch, self._perm = epoch, perm
         return self._perm
 
+    def _make_rollout(self, step: int, micro: int) -> tuple[RolloutBatch, dict]:
+        """Micro-batch ``micro`` of step ``step``: its completions, rewards and advantages."""
+        cfg, G = self.cfg, self.cfg.num_generations
+        rows = [r for r in self._prompts_for(step, micro) for _ in range(G)]
+        t0 = time.perf_counter()
+        prompts, out, texts = self._sample(rows, step, micro)
+        t1 = time.perf_counter()
+        per_func, rewards, errors = self._score(rows, prompts.texts, texts)
+        t2 = time.perf_counter()
+        adv = objectives.group_advantages(
+            rewards, G, scale=cfg.scale_rewards, baseline=self.method.baseline
+        )
+        stats = {
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "advantage_abs": adv.abs().mean().item(),
+            "reward_errors": errors,
+            "prompts_truncated": prompts.truncated // G,
+            "time_rollout": t1 - t0,
+            "time_reward": t2 - t1,
+        }
+        for f, func in enumerate(self.task.reward_funcs):
+            stats[f"reward/{getattr(func, '__name__', f)}"] = per_func[:, f].mean().item()
+        batch = RolloutBatch(
+            prompt_ids=out.sequences[:, : out.prompt_length],
+            prompt_mask=prompts.mask,
+            completion_ids=out.completion_ids,
+            completion_mask=completion_mask(self.bundle, out.completion_ids),
+            rewards=rewards,
+            advantages=adv,
+            rollout=out,
+            prompts=prompts.texts,
+            columns={c: [r.get(c) for r in rows] for c in self.task.columns},
+        )
+        return batch, stats
+
     @torch.no_grad()
-    def _generate(self, model, rows, *, temperature, generator=None, dps_stride=None):
-        """One completion per row: (texts, Rollout, prompt mask, prompt texts, prompts cut)."""
-        done = rollout(
+    def _sample(self, rows: list[dict], step: int, micro: int):
+        """(Prompts, Rollout, decoded completions) of the rows, as ``sample_micro_batch``."""
+        model = self.acc.unwrap_model(self.model)
+        model.eval()
+        prompts = encode_rows(
             self.bundle,
             self.task,
             rows,
-            self.cfg.generation,
-            model=model,
-            temperature=temperature,
-            generator=generator,
-            dps_stride=dps_stride,
-            dps_scope=self.cfg.dps.scope,
+            next(model.parameters()).device,
             limit=self.prompt_limit,
             truncate=self.cfg.truncate_prompts,
         )
-        return done.texts, done.rollout, done.prompt_mask, done.prompts, done.truncated
-
-    def _make_rollout(self, step: int, micro: int) -> tuple[RolloutBatch, dict]:
-        cfg, G = self.cfg, self.cfg.num_generations
-        rows = [r for r in self._prompts_for(step, micro) for _ in range(G)]
-        model = self.acc.unwrap_model(self.model)
-        model.eval()
-        t0 = time.perf_counter()
-        texts, out, prompt_mask, prompts, cut = self._generate(
+        out = sample_micro_batch(
             model,
-            rows,
-            temperature=cfg.generation.temperature,
-            generator=sampler_generator(self.acc.device, cfg.seed, step, micro, self.rank),
-            dps_stride=cfg.dps.stride if cfg.dps.enabled else None,
+            prompts.ids,
+            prompts.mask,
+            self.cfg,
+            step=step,
+            micro=micro,
+            rank=self.rank,
+            mask_id=self.bundle.mask_id,
         )
         model.train()
-        t1 = time.perf_counter()
+        return prompts, out, decode_completions(self.bundle, out.completion_ids.cpu())
+
+    def _score(self, rows: list[dict], prompts: list[str], texts: list[str]):
+        """The guarded rewards (``daca.tasks.rewards.score_rewards``): (per function, weighted
+        sum on the trainer's device, number of failed scorings)."""
+        cfg = self.cfg
         columns = {c: [r.get(c) for r in rows] for c in self.task.columns}
         per_func, rewards, errors = score_rewards(
             self.task.reward_funcs,
@@ -199,50 +306,15 @@ class RolloutSteps:
             on_timeout=cfg.on_reward_timeout,
             timeout=cfg.reward_timeout,
         )
-        t2 = time.perf_counter()
-        device = self.acc.device
-        rewards = rewards.to(device)
-        adv = objectives.group_advantages(
-            rewards, G, scale=cfg.scale_rewards, baseline=self.method.baseline
-        )
-        stats = {
-            "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "advantage_abs": adv.abs().mean().item(),
-            "reward_errors": errors,
-            "prompts_truncated": cut // G,
-            "time_rollout": t1 - t0,
-            "time_reward": t2 - t1,
-        }
-        for f, func in enumerate(self.task.reward_funcs):
-            stats[f"reward/{getattr(func, '__name__', f)}"] = per_func[:, f].mean().item()
-        batch = RolloutBatch(
-            prompt_ids=out.sequences[:, : out.prompt_length],
-            prompt_mask=prompt_mask,
-            completion_ids=out.completion_ids,
-            completion_mask=completion_mask(self.bundle, out.completion_ids),
-            rewards=rewards,
-            advantages=adv,
-            rollout=out,
-            prompts=prompts,
-            columns=columns,
-        )
-        return batch, stats
+        return per_func, rewards.to(self.acc.device), errors
 
     def _dps_step(self, batches: list[RolloutBatch]) -> tuple[list[Tensor | None], dict]:
-        """DPS multipliers of every micro-batch, δ z-scored over all the step's trajectories
-        (every micro-batch, every process; METHOD.md §2 [decision]): (normalised δ, metrics)."""
-        if not self.cfg.dps.enabled:
-            return [None] * len(batches), {}
-        cfg = self.cfg.dps
-        multipliers, normed, stats = dps.step_multipliers(
-            [b.rollout for b in batches],
-            lam=cfg.lam,
-            last_step=cfg.last_step,
-            norm_axis=cfg.norm_axis,
-            clamp_min=cfg.clamp_min,
-            gather=self.acc.gather if self.world > 1 else None,
-            rank=self.rank,
+        """The step's DPS multipliers on every micro-batch (``dps_multipliers``): (normalised δ,
+        metrics)."""
+        gather = self.acc.gather if self.world > 1 else None
+        rollouts = [b.rollout for b in batches]
+        multipliers, normed, stats = dps_multipliers(
+            rollouts, self.cfg.dps, gather=gather, rank=self.rank
         )
         for batch, mult in zip(batches, multipliers, strict=True):
             batch.multipliers = mult

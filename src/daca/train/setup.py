@@ -9,13 +9,14 @@ from dataclasses import asdict
 import torch
 
 from daca.models.loading import LoadedModel, ModelFolderError, load, load_4bit
-from daca.models.prompts import fit_prompts, prompt_texts, prompt_token_ids
+from daca.models.prompts import fit_prompts, prompt_token_ids
 from daca.tasks import sandbox
 from daca.tasks.formats import DataUnavailable
+from daca.tasks.prompts import prompt_texts
 from daca.train.checkpointing import write_text_atomically, yaml_text
 from daca.train.config import to_dict
 from daca.train.errors import InputError
-from daca.train.rollout import derive_seed
+from daca.train.seeds import adapter_seed
 
 
 class SetupSteps:
@@ -135,7 +136,7 @@ class SetupSteps:
                 target_modules=cfg.lora.target_modules or lora_targets(bundle),
             )
             with torch.random.fork_rng(devices=[]):  # the adapter's initial A: seeded
-                torch.manual_seed(derive_seed(cfg.seed, 3))
+                torch.manual_seed(adapter_seed(cfg.seed))
                 bundle.model = get_peft_model(bundle.model, lcfg)
         bundle.model.train()
         return bundle

@@ -27,11 +27,13 @@ from daca.train.checkpointing import (
 )
 from daca.train.config import TrainConfig, resolved, validate
 from daca.train.errors import InputError, TrainingError
+from daca.train.evaluation import score_rows
 from daca.train.interrupts import Interrupted, StopSignals, signal_name
 from daca.train.methods import METHODS
 from daca.train.rollout import RolloutSteps
+from daca.train.seeds import step_mask_seeds
 from daca.train.setup import SetupSteps
-from daca.train.update import UpdateSteps, mask_seed
+from daca.train.update import UpdateSteps
 
 # How long a process whose peer failed waits for the launcher to end it before it reports the
 # broken collective itself (launched without torchrun, nothing else would end it).
@@ -144,11 +146,8 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
         for batch in batches:
             batch.rollout = None  # the trace is read: free it before the updates
         t0 = time.perf_counter()
-        seeds = [
-            [mask_seed(cfg.seed, step, m, it, self.rank) for it in range(mu)] for m in range(gas)
-        ]
-        if self.method.ratio:
-            self._old_and_reference(batches, seeds)
+        seeds = step_mask_seeds(cfg.seed, step, range(gas), mu, self.rank)
+        self._old_and_reference(batches, seeds)
         update_stats, grad_norm, skipped = self._inner_iterations(batches, seeds, mu)
         t1 = time.perf_counter()
         stats = _mean_dicts(stats_list)
@@ -196,26 +195,20 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
         # Pad to equal counts: a sharded model (FSDP) runs collectives in every forward.
         per_rank = -(-len(self.eval_rows) // self.world)
         padded = rows + self.eval_rows[: per_rank - len(rows)]
-        from daca.tasks.rewards import score_completions  # the guarded metric (daca.tasks.rewards)
-
-        size, scores = self.cfg.eval_batch_size, []
-        was_training = model.training
-        model.eval()
-        try:
-            for start in range(0, len(padded), size):
-                chunk = padded[start : start + size]
-                texts = self._generate(model, chunk, temperature=0.0)[0]
-                columns = {c: [r.get(c) for r in chunk] for c in self.task.columns}
-                scores += score_completions(
-                    self.task.score,
-                    texts,
-                    columns,
-                    on_error=self.cfg.on_reward_error,
-                    on_timeout=self.cfg.on_reward_timeout,
-                    timeout=self.cfg.reward_timeout,
-                )
-        finally:
-            model.train(was_training)
+        cfg = self.cfg
+        scores = score_rows(
+            self.bundle,
+            self.task,
+            padded,
+            cfg.generation,
+            model=model,
+            batch_size=cfg.eval_batch_size,
+            on_error=cfg.on_reward_error,  # the guarded metric (daca.tasks.rewards)
+            on_timeout=cfg.on_reward_timeout,
+            timeout=cfg.reward_timeout,
+            limit=self.prompt_limit,
+            truncate=cfg.truncate_prompts,
+        ).scores
         scores = scores[: len(rows)]
         total = torch.tensor(
             [sum(scores), sum(s * s for s in scores), len(scores)], dtype=torch.float64

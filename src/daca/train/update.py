@@ -2,9 +2,10 @@
 SML), old-policy and reference log-probs, the loss, and the μ inner iterations of optimizer
 updates over the step's micro-batches (METHOD.md §4).
 
-The plain functions (``mask_seed``, ``token_logp``, ``method_loss``, ``old_and_reference``) are
-what a step computes for one micro-batch; ``daca train`` (``UpdateSteps``) and the TRL front-end
-(``daca.integrations.trl`` with ``method=``) both call them.
+The plain functions (``token_logp``, ``method_loss``, ``micro_batch_loss``,
+``old_and_reference``) are what a step computes, with the masks of
+``daca.train.seeds.mask_seed``; ``daca train`` (``UpdateSteps``) and the TRL front-end
+(``daca.integrations.trl``) both call them.
 """
 
 from __future__ import annotations
@@ -12,32 +13,25 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from daca.core import likelihood, objectives
+from daca.train.config import TrainConfig
 from daca.train.methods import BaseMethod
-from daca.train.rollout import RolloutBatch, derive_seed, seeded_generator
-
-if TYPE_CHECKING:
-    from daca.train.config import TrainConfig
-
-
-def mask_seed(seed: int, step: int, micro: int, it: int, rank: int) -> int:
-    """The masks' seed of inner iteration ``it`` of micro-batch ``micro`` of step ``step`` on
-    process ``rank``: one per iteration, shared by the current, old and reference log-probs."""
-    return derive_seed(seed, step, micro, it, rank, 11)
+from daca.train.rollout import RolloutBatch
+from daca.train.seeds import estimator_generator, strata_generator
 
 
 def token_logp(
     method: BaseMethod, model, batch: RolloutBatch, cfg: TrainConfig, seed: int, mask_id: int
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs [B, L] for the ratio (or wd1's likelihood) and the SML regulariser's
-    (None unless ``method.sml`` is "regulariser" with η > 0), with the masks of ``seed``."""
+    (None unless ``method.sml`` is "regulariser" with η > 0), with the masks of ``seed``
+    (``daca.train.seeds.mask_seed``); SML enriches the ratio's as ½(ℓ + ℓ^SML) (METHOD.md §4)."""
     device = batch.prompt_ids.device
-    base = method.estimator(model, batch, cfg, seeded_generator(device, seed, 1), mask_id)
+    base = method.estimator(model, batch, cfg, estimator_generator(device, seed), mask_id)
     regulariser = method.sml == "regulariser"
     if not cfg.sml.enabled or (regulariser and cfg.sml.eta == 0):
         return base, None  # a regulariser of weight 0 would discard the K forwards
@@ -49,7 +43,7 @@ def token_logp(
         attention_mask=batch.prompt_mask,
         num_strata=cfg.sml.num_strata,
         strata=cfg.sml.strata,
-        generator=seeded_generator(device, seed, 2),
+        generator=strata_generator(device, seed),
     )
     if regulariser:
         return base, sml
@@ -79,35 +73,48 @@ def method_loss(
     )
 
 
+def micro_batch_loss(
+    method: BaseMethod, cfg: TrainConfig, model, batch: RolloutBatch, it: int, seed: int, mask_id
+) -> tuple[Tensor, dict, Tensor]:
+    """One micro-batch's loss at inner iteration ``it`` under the masks of ``seed``: the
+    method's log-probs (``token_logp``), then its loss (``method_loss``). Returns (loss, the
+    loss's metrics, the log-probs)."""
+    logp, sml = token_logp(method, model, batch, cfg, seed, mask_id)
+    loss, metrics = method_loss(method, cfg, batch, logp, sml, it)
+    return loss, metrics, logp
+
+
 @torch.no_grad()
 def old_and_reference(
     method: BaseMethod,
     cfg: TrainConfig,
     model,
     reference: Callable[[], contextlib.AbstractContextManager],
-    batch: RolloutBatch,
-    seeds: list[int],
+    batches: list[RolloutBatch],
+    seeds: list[list[int]],
     mask_id: int,
 ) -> None:
-    """``batch.old_logp`` and ``batch.ref_logp``, once per rollout, one per inner iteration's
-    mask seed: the old policy's (``model`` before its updates) when μ = ``len(seeds)`` > 1, the
-    reference's (``reference()`` yields it) when β > 0. A method without a ratio has neither."""
+    """``old_logp`` and ``ref_logp`` of each of the step's micro-batches, once per rollout, one
+    per inner iteration's mask seed (``seeds[micro-batch]``): the old policy's (``model`` before
+    its updates) when μ > 1, the reference's (``reference()`` yields it) when β > 0. A method
+    without a ratio has neither."""
     if not method.ratio:
         return
-    if len(seeds) > 1:
-        batch.old_logp = [token_logp(method, model, batch, cfg, s, mask_id)[0] for s in seeds]
-    if cfg.beta > 0:
-        with reference() as ref:
-            batch.ref_logp = [token_logp(method, ref, batch, cfg, s, mask_id)[0] for s in seeds]
+    for batch, batch_seeds in zip(batches, seeds, strict=True):
+        if len(batch_seeds) > 1:
+            batch.old_logp = [
+                token_logp(method, model, batch, cfg, s, mask_id)[0] for s in batch_seeds
+            ]
+        if cfg.beta > 0:
+            with reference() as ref:
+                batch.ref_logp = [
+                    token_logp(method, ref, batch, cfg, s, mask_id)[0] for s in batch_seeds
+                ]
 
 
 class UpdateSteps:
     """The update half of ``Trainer`` (a mixin: it reads the trainer's ``cfg``, ``method``,
     ``acc``, ``model``, ``optimizer``, ``scheduler``, ``bundle`` and ``ref_model``)."""
-
-    def _token_logp(self, model, batch: RolloutBatch, seed: int) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs for the ratio (or wd1's likelihood) and the SML regulariser's."""
-        return token_logp(self.method, model, batch, self.cfg, seed, self.bundle.mask_id)
 
     @contextlib.contextmanager
     def _reference(self):
@@ -141,22 +148,19 @@ class UpdateSteps:
         )
 
     def _loss(self, batch: RolloutBatch, it: int, seed: int) -> tuple[Tensor, dict]:
-        logp, sml = self._token_logp(self.model, batch, seed)
+        cfg, mask_id = self.cfg, self.bundle.mask_id
+        loss, metrics, logp = micro_batch_loss(
+            self.method, cfg, self.model, batch, it, seed, mask_id
+        )
         self._logp_finite = torch.isfinite(logp).all()  # read only to diagnose a bad loss
-        return method_loss(self.method, self.cfg, batch, logp, sml, it)
+        return loss, metrics
 
     def _old_and_reference(self, batches: list[RolloutBatch], seeds: list[list[int]]) -> None:
         """Old and reference log-probs once per rollout, with the μ iterations' mask seeds."""
-        for batch, batch_seeds in zip(batches, seeds, strict=True):
-            old_and_reference(
-                self.method,
-                self.cfg,
-                self.model,
-                self._reference,
-                batch,
-                batch_seeds,
-                self.bundle.mask_id,
-            )
+        mask_id = self.bundle.mask_id
+        old_and_reference(
+            self.method, self.cfg, self.model, self._reference, batches, seeds, mask_id
+        )
 
     def _inner_iterations(self, batches: list[RolloutBatch], seeds: list[list[int]], mu: int):
         """μ optimizer updates on the step's rollouts, each accumulating gradients over the

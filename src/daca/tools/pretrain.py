@@ -23,13 +23,14 @@ from torch import Tensor
 
 from daca.core.modeling import forward_logits, full_attention_mask
 from daca.models.loading import LoadedModel
-from daca.models.prompts import encode_prompts, encode_targets, prompt_texts
+from daca.models.prompts import encode_prompts, encode_targets
 from daca.models.tiny import new_tiny, save_tiny
 from daca.tasks import get_task
+from daca.tasks.prompts import prompt_texts
+from daca.tools.pretrain_config import PretrainConfig
 from daca.train.config import GenerationConfig
 from daca.train.evaluation import evaluate
 from daca.train.interrupts import Interrupted, StopSignals, signal_name
-from daca.train.pretrain_config import PretrainConfig
 
 
 def diffusion_noise(
@@ -141,121 +142,23 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
     tasks = {n: get_task(n) for n in names}
     train = {n: tasks[n].load(split="train", limit=cfg.train_size, seed=cfg.seed) for n in names}
     test = {n: tasks[n].load(split="test", limit=cfg.eval_size, seed=cfg.seed) for n in names}
-    stop_task = cfg.stop_task if cfg.stop_task in names else names[0]
-
-    prior = {"steps_trained": 0, "seconds": 0.0, "history": []}
-    if cfg.init_from:
-        from daca.models.loading import load
-
-        bundle = load(cfg.init_from)
-        model, tokenizer = bundle.model, bundle.tokenizer
-        prior.update({k: v for k, v in bundle.meta.items() if k in prior})
-    else:
-        model, tokenizer = new_tiny(
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_layers,
-            num_heads=cfg.num_heads,
-            intermediate_size=cfg.intermediate_size,
-            max_positions=max(128, 32 + cfg.gen_length),  # a compact prompt is under 32 tokens
-            seed=cfg.seed,
-            words=tuple(w for n in names for w in tasks[n].compact_vocabulary),
-        )
-        bundle = _bundle(model, tokenizer)
+    bundle, prior = _initial_model(cfg, names, tasks)
     gen = GenerationConfig(
         gen_length=cfg.gen_length, steps=cfg.steps, block_length=cfg.block_length, temperature=0.0
     )
-
-    # Encode every training example once.
-    data = []
-    for n in names:
-        rows = train[n]
-        p_ids, p_mask = encode_prompts(bundle, prompt_texts(bundle, tasks[n], rows))
-        targets = encode_targets(bundle, supervised_targets(tasks[n], rows), cfg.gen_length)
-        data.append((p_ids, p_mask, targets))
-    p_ids = torch.cat([d[0] for d in data])
-    p_mask = torch.cat([d[1] for d in data])
-    targets = torch.cat([d[2] for d in data])
-    hidden = None
-    if cfg.hide_answer_steps:
-        answer_id = tokenizer.convert_tokens_to_ids("<answer>")
-        if answer_id == tokenizer.unk_token_id:
-            raise ValueError(f"hide_answer_steps: {cfg.task}'s completions have no <answer> tag")
-        hidden = answer_positions(targets, answer_id)
-
-    gen_torch = torch.Generator().manual_seed(cfg.seed)
-    order_rng = random.Random(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
-    warmup = max(1, cfg.warmup_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
-    history: list[dict] = list(prior["history"])
-    offset = int(prior["steps_trained"])  # steps of the model this run continues
-
-    def held_out(step: int) -> dict:
-        metrics = {"step": offset + step}
-        for n in names:
-            result = evaluate(bundle, tasks[n], test[n], gen, batch_size=200)
-            metrics[n] = result.mean
-            if tasks[n].trace_steps is not None:  # how often the written steps are right
-                metrics[f"{n} steps"] = step_accuracy(tasks[n], result.completions, test[n])
-        if history and history[-1]["step"] == metrics["step"]:
-            history.pop()  # the continued model's last evaluation, measured again
-        history.append(metrics)
-        return metrics
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.max_steps, desc="pretrain", unit="step")
+    run = _Run(cfg, bundle, _encode(bundle, tasks, train, cfg.gen_length), prior)
+    held_out = _HeldOut(bundle, tasks, test, gen, history=list(prior["history"]), offset=run.offset)
     start = time.time()
     stop = StopSignals("saving the model at the end of this step")
     with stop:
         metrics = held_out(0)
-        log(f"pretraining {cfg.task} from step {offset}: Ctrl-C saves the model and stops")
-        step = 0
-        index: list[int] = []
-        while step < cfg.max_steps and not stop.requested:
-            if cfg.target_accuracy is not None and metrics[stop_task] >= cfg.target_accuracy:
-                break
-            if deadline is not None and time.time() > deadline:
-                break
-            if len(index) < cfg.batch_size:
-                perm = list(range(len(targets)))
-                order_rng.shuffle(perm)
-                index += perm
-            batch, index = index[: cfg.batch_size], index[cfg.batch_size :]
-            model.train()
-            loss = masked_diffusion_loss(
-                model,
-                p_ids[batch],
-                p_mask[batch],
-                targets[batch],
-                mask_id=bundle.mask_id,
-                generator=gen_torch,
-                block_length=cfg.block_length,
-                block_noise=cfg.block_noise,
-                hidden=None if hidden is None or step >= cfg.hide_answer_steps else hidden[batch],
-            )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            schedule.step()
-            model.eval()
-            step += 1
-            if step % cfg.eval_every == 0 or step == cfg.max_steps:
-                metrics = held_out(step)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{loss.item():.3f}",
-                    **{k: f"{v:.3f}" for k, v in metrics.items() if k != "step"},
-                )
-        if bar is not None:
-            bar.close()
+        log(f"pretraining {cfg.task} from step {run.offset}: Ctrl-C saves the model and stops")
+        stop_task = cfg.stop_task if cfg.stop_task in names else names[0]
+        step, metrics = _train_loop(
+            cfg, run, held_out, metrics, stop, stop_task, deadline, progress
+        )
         interrupted = stop.signum
-        if interrupted is None and history[-1]["step"] != offset + step:
+        if interrupted is None and held_out.history[-1]["step"] != run.offset + step:
             metrics = held_out(step)
         final = {n: metrics[n] for n in names}
         steps_right = {n: metrics[f"{n} steps"] for n in names if f"{n} steps" in metrics}
@@ -266,17 +169,17 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
         summary = {
             "generation": asdict(gen),
             "pretrain": asdict(cfg),
-            "steps_trained": offset + step,
+            "steps_trained": run.offset + step,
             "seconds": round(prior["seconds"] + time.time() - start, 1),
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters": sum(p.numel() for p in bundle.model.parameters()),
             "held_out": final,
             # the reasoning's steps that are right (Task.trace_steps), tasks with a trace only
             "held_out_steps": steps_right,
-            "held_out_step": history[-1]["step"],
+            "held_out_step": held_out.history[-1]["step"],
             "eval_size": cfg.eval_size,
-            "history": history,
+            "history": held_out.history,
         }
-        out = _save_atomically(cfg.out, model, tokenizer, summary)
+        out = _save_atomically(cfg.out, bundle.model, bundle.tokenizer, summary)
     summary = {"family": "llada", "prompt_format": "compact", **summary}
     scores = {**final, **{f"{n} steps": v for n, v in steps_right.items()}}
     log(f"saved {out} after {step} steps: " + ", ".join(f"{n} {v:.3f}" for n, v in scores.items()))
@@ -284,11 +187,160 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True, log=print) -> dict:
         folder = shlex.quote(str(out))
         raise Interrupted(
             interrupted,
-            f"stopped by {signal_name(interrupted)} after {offset + step} steps (model saved to "
-            f"{out}, held-out metric of step {history[-1]['step']}); continue with: daca pretrain "
-            f"--init-from {folder} --out {folder} (and the other flags you gave)",
+            f"stopped by {signal_name(interrupted)} after {run.offset + step} steps (model saved "
+            f"to {out}, held-out metric of step {held_out.history[-1]['step']}); continue with: "
+            f"daca pretrain --init-from {folder} --out {folder} (and the other flags you gave)",
         )
     return summary
+
+
+def _initial_model(cfg: PretrainConfig, names: list[str], tasks: dict) -> tuple[LoadedModel, dict]:
+    """The model to train, and what it was trained on before (``init_from``: its steps, seconds
+    and evaluations; a new tiny model of the tasks' compact vocabulary: none)."""
+    prior = {"steps_trained": 0, "seconds": 0.0, "history": []}
+    if cfg.init_from:
+        from daca.models.loading import load
+
+        bundle = load(cfg.init_from)
+        prior.update({k: v for k, v in bundle.meta.items() if k in prior})
+        return bundle, prior
+    model, tokenizer = new_tiny(
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_positions=max(128, 32 + cfg.gen_length),  # a compact prompt is under 32 tokens
+        seed=cfg.seed,
+        words=tuple(w for n in names for w in tasks[n].compact_vocabulary),
+    )
+    return _bundle(model, tokenizer), prior
+
+
+def _encode(bundle: LoadedModel, tasks: dict, train: dict, gen_length: int):
+    """Every training example, encoded once: prompt ids, prompt mask, target ids."""
+    data = []
+    for n, rows in train.items():
+        p_ids, p_mask = encode_prompts(bundle, prompt_texts(bundle, tasks[n], rows))
+        targets = encode_targets(bundle, supervised_targets(tasks[n], rows), gen_length)
+        data.append((p_ids, p_mask, targets))
+    return tuple(torch.cat([d[i] for d in data]) for i in range(3))
+
+
+class _Run:
+    """The optimisation: AdamW with a linear warm-up, batches in a seeded shuffled order, the
+    loss's masks from a seeded generator, the gradient optionally clipped."""
+
+    def __init__(self, cfg: PretrainConfig, bundle: LoadedModel, data, prior: dict):
+        self.cfg, self.bundle, self.model = cfg, bundle, bundle.model
+        self.p_ids, self.p_mask, self.targets = data
+        self.hidden = None  # the answer's positions, while hide_answer_steps lasts
+        if cfg.hide_answer_steps:
+            answer_id = bundle.tokenizer.convert_tokens_to_ids("<answer>")
+            if answer_id == bundle.tokenizer.unk_token_id:
+                raise ValueError(
+                    f"hide_answer_steps: {cfg.task}'s completions have no <answer> tag"
+                )
+            self.hidden = answer_positions(self.targets, answer_id)
+        self.steps_taken = 0
+        self.gen_torch = torch.Generator().manual_seed(cfg.seed)
+        self.order_rng = random.Random(cfg.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate)
+        warmup = max(1, cfg.warmup_steps)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: min(1.0, (i + 1) / warmup)
+        )
+        self.offset = int(prior["steps_trained"])  # steps of the model this run continues
+        self.index: list[int] = []
+
+    def next_batch(self) -> list[int]:
+        """The next ``batch_size`` examples of the shuffled order (reshuffled when it runs out)."""
+        size = self.cfg.batch_size
+        if len(self.index) < size:
+            perm = list(range(len(self.targets)))
+            self.order_rng.shuffle(perm)
+            self.index += perm
+        batch, self.index = self.index[:size], self.index[size:]
+        return batch
+
+    def step(self) -> Tensor:
+        """One optimizer step on the next batch; returns its loss."""
+        batch, model = self.next_batch(), self.model
+        model.train()
+        loss = masked_diffusion_loss(
+            model,
+            self.p_ids[batch],
+            self.p_mask[batch],
+            self.targets[batch],
+            mask_id=self.bundle.mask_id,
+            generator=self.gen_torch,
+            block_length=self.cfg.block_length,
+            block_noise=self.cfg.block_noise,
+            hidden=self._hidden(batch),
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.schedule.step()
+        model.eval()
+        self.steps_taken += 1
+        return loss
+
+    def _hidden(self, batch: list[int]) -> Tensor | None:
+        if self.hidden is None or self.steps_taken >= self.cfg.hide_answer_steps:
+            return None
+        return self.hidden[batch]
+
+
+class _HeldOut:
+    """The held-out metric of every task (and the step accuracy of trace tasks), appended to
+    ``history`` at the continued model's step count."""
+
+    def __init__(self, bundle, tasks, test, gen, *, history: list[dict], offset: int):
+        self.bundle, self.tasks, self.test, self.gen = bundle, tasks, test, gen
+        self.history, self.offset = history, offset
+
+    def __call__(self, step: int) -> dict:
+        metrics = {"step": self.offset + step}
+        for n, task in self.tasks.items():
+            result = evaluate(self.bundle, task, self.test[n], self.gen, batch_size=200)
+            metrics[n] = result.mean
+            if task.trace_steps is not None:  # how often the written steps are right
+                metrics[f"{n} steps"] = step_accuracy(task, result.completions, self.test[n])
+        if self.history and self.history[-1]["step"] == metrics["step"]:
+            self.history.pop()  # the continued model's last evaluation, measured again
+        self.history.append(metrics)
+        return metrics
+
+
+def _train_loop(cfg, run: _Run, held_out: _HeldOut, metrics, stop, stop_task, deadline, progress):
+    """Steps until ``max_steps``, the stopping task's target, the deadline or a stop signal,
+    evaluating every ``eval_every`` steps and after the last; returns (steps, last metrics)."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, desc="pretrain", unit="step")
+    step = 0
+    while step < cfg.max_steps and not stop.requested:
+        if cfg.target_accuracy is not None and metrics[stop_task] >= cfg.target_accuracy:
+            break
+        if deadline is not None and time.time() > deadline:
+            break
+        loss = run.step()
+        step += 1
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            metrics = held_out(step)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{loss.item():.3f}",
+                **{k: f"{v:.3f}" for k, v in metrics.items() if k != "step"},
+            )
+    if bar is not None:
+        bar.close()
+    return step, metrics
 
 
 def _check_out(cfg: PretrainConfig) -> None:

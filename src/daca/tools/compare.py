@@ -24,24 +24,21 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from daca.core.options import LAST_STEP_MODES, NORM_AXES
 from daca.tasks.formats import read_records
-from daca.train.config import VARIANT_SWITCHES, ConfigError, load_config
+from daca.train.config import VARIANT_SWITCHES, ConfigError, TrainConfig, load_config
 from daca.train.interrupts import Interrupted, StopSignals, signal_name
 from daca.train.methods import METHODS, get_method
 
 # The grid's variants: the config's ``variant`` switch (config.VARIANT_SWITCHES).
 VARIANTS = {name: [f"variant={name}"] for name in VARIANT_SWITCHES}
-# The paper's two DPS ablations, on wd1 + DPS (METHOD.md §2).
+# The paper's two DPS ablations (METHOD.md §2): every mode of the core, on the default run's
+# method with DPS (wd1 + DPS).
 ABLATIONS = {
-    "last_step": {
-        m: ["dps.enabled=true", f"dps.last_step={m}"]
-        for m in ("extrapolate", "neutral", "raw", "mean", "measured")
-    },
-    "norm_axis": {
-        a: ["dps.enabled=true", f"dps.norm_axis={a}"]
-        for a in ("per_step", "trajectory", "group", "none")
-    },
+    key: {mode: ["dps.enabled=true", f"dps.{key}={mode}"] for mode in modes}
+    for key, modes in (("last_step", LAST_STEP_MODES), ("norm_axis", NORM_AXES))
 }
+ABLATION_METHOD = TrainConfig.method
 # Per-method settings of the tiny runs (μ for the ratio methods, as the reference codes do
 # for short tasks, scaled down; daca.train.methods).
 METHOD_OVERRIDES = {

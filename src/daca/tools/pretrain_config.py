@@ -1,4 +1,4 @@
-"""The settings of `daca pretrain` (``daca.train.pretrain``), apart so that the command's
+"""The settings of `daca pretrain` (``daca.tools.pretrain``), apart so that the command's
 help reads its defaults without importing torch."""
 
 from __future__ import annotations
