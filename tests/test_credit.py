@@ -96,3 +96,15 @@ def test_daca_credit_reads_a_real_run(tmp_path, capsys):
     assert "completions of steps 1..2" in printed and "| role |" in printed
     assert (tmp_path / "run" / "credit" / "credit.png").stat().st_size > 1000
     assert main(["credit", str(tmp_path / "run"), "--first-step", "5"]) == 2
+
+    # A model's own rollouts, never trained on: every group of the batches, the weights unchanged.
+    out = tmp_path / "fresh"
+    assert main([
+        "credit", "--model", str(folder), "--task", "sudoku-trace", "--batches", "2",
+        "--out", str(out), "--set", *SMALL_RUN, "generation.gen_length=64",
+        "generation.block_length=32", "generation.steps=8", "dps.stride=2",
+    ]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "sudoku-trace: 8 completions of steps 0..1" in printed  # 2 steps x 4 completions
+    assert (out / "credit.md").is_file()
+    assert main(["credit"]) == 2 and main(["credit", "x", "--model", "y"]) == 2

@@ -52,7 +52,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "daca.cli.credit",
         "add_arguments",
         "run",
-        "the mean DPS multiplier of a run's recorded tokens by role (reasoning, answer, steps)",
+        "the mean DPS multiplier by token role (reasoning, answer, steps) of a run's recorded "
+        "rollouts or of a model's own",
     ),
 }
 

@@ -322,30 +322,33 @@ class RolloutSteps:
 
     def _record_rollout(self, step: int, batch: RolloutBatch, normed: Tensor | None) -> None:
         """The first group of this step's first micro-batch, for ``daca inspect``."""
-        G = self.cfg.num_generations
-        out, prompts, multipliers = batch.rollout, batch.prompts[:G], batch.multipliers
-        rewards, adv = batch.rewards[:G], batch.advantages[:G]
-        tok = self.bundle.tokenizer
-        record = {
-            "step": step,
-            "task": self.cfg.task,
-            "method": self.cfg.method,
-            "lam": self.cfg.dps.lam if self.cfg.dps.enabled else 0.0,
-            "prompts": prompts,
-            "columns": {c: v[:G] for c, v in batch.columns.items()},  # for daca credit's roles
-            "tokens": [tok.convert_ids_to_tokens(r) for r in out.completion_ids[:G].tolist()],
-            "pad_token": tok.pad_token,  # left out of daca inspect's pictures
-            "birth_step": out.birth_step[:G].tolist(),
-            "num_steps": out.num_steps,
-            "rewards": rewards.tolist(),
-            "advantages": adv.tolist(),
-        }
-        if multipliers is not None:
-            record["recorded_steps"] = out.recorded_steps.tolist()
-            record["multipliers"] = multipliers[:G].tolist()
-            record["norm_deltas"] = normed[:G].tolist()
+        record = self._rollout_record(step, batch, normed, slice(0, self.cfg.num_generations))
         folder = self.run_dir / "rollouts"
         folder.mkdir(exist_ok=True)
         tmp = folder / f"step-{step:07d}.json.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(folder / f"step-{step:07d}.json")
+
+    def _rollout_record(self, step: int, batch: RolloutBatch, normed, rows: slice) -> dict:
+        """The completions ``rows`` of a micro-batch as ``daca inspect`` and ``daca credit``
+        read them: tokens, birth steps, rewards, advantages, DPS multipliers, task columns."""
+        out, multipliers, tok = batch.rollout, batch.multipliers, self.bundle.tokenizer
+        record = {
+            "step": step,
+            "task": self.cfg.task,
+            "method": self.cfg.method,
+            "lam": self.cfg.dps.lam if self.cfg.dps.enabled else 0.0,
+            "prompts": batch.prompts[rows],
+            "columns": {c: v[rows] for c, v in batch.columns.items()},  # for daca credit's roles
+            "tokens": [tok.convert_ids_to_tokens(r) for r in out.completion_ids[rows].tolist()],
+            "pad_token": tok.pad_token,  # left out of daca inspect's pictures
+            "birth_step": out.birth_step[rows].tolist(),
+            "num_steps": out.num_steps,
+            "rewards": batch.rewards[rows].tolist(),
+            "advantages": batch.advantages[rows].tolist(),
+        }
+        if multipliers is not None:
+            record["recorded_steps"] = out.recorded_steps.tolist()
+            record["multipliers"] = multipliers[rows].tolist()
+            record["norm_deltas"] = normed[rows].tolist()
+        return record

@@ -165,6 +165,20 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
         stats["step"] = self.step
         return stats
 
+    @torch.no_grad()
+    def rollout_records(self, step: int) -> list[dict]:
+        """The rollouts of step ``step`` with their DPS multipliers and no update (the policy
+        stays as it is): every micro-batch as one ``daca credit`` record."""
+        batches = [
+            self._make_rollout(step, micro)[0]
+            for micro in range(self.cfg.gradient_accumulation_steps)
+        ]
+        normed, _ = self._dps_step(batches)
+        rows = slice(0, self.cfg.per_device_train_batch_size)
+        return [
+            self._rollout_record(step, b, n, rows) for b, n in zip(batches, normed, strict=True)
+        ]
+
     def _global_stats(self, stats: dict) -> dict:
         """The step's numbers over all processes (every rank logs the same): the extreme of
         ``*_min``/``*_max`` and of times (the slowest rank), the mean of the rest (equal local
