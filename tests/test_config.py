@@ -127,7 +127,7 @@ def test_cli_version_help_and_dry_run(capsys):
     assert "did you mean 'dps.lam'" in capsys.readouterr().err
 
 
-def test_a_shipped_model_brings_the_lengths_it_was_trained_for(tmp_path, monkeypatch):
+def test_a_model_folder_brings_the_lengths_it_was_trained_for(tmp_path, monkeypatch):
     import json
 
     from daca.train import config
@@ -146,5 +146,12 @@ def test_a_shipped_model_brings_the_lengths_it_was_trained_for(tmp_path, monkeyp
     recipe.write_text("generation: {gen_length: 32, block_length: 32}\n")
     g = load_config(recipe, []).generation  # and so does the recipe
     assert (g.gen_length, g.steps, g.block_length) == (32, 32, 32)
-    g = load_config(None, [f"model={tmp_path}"]).generation  # a folder is no shipped name
+    trained = tmp_path / "checkpoint"  # a run's saved model folder brings its lengths too
+    trained.mkdir()
+    (trained / "daca.json").write_text(json.dumps({"generation": {"gen_length": 32}}))
+    assert load_config(None, [f"model={trained}"]).generation.gen_length == 32
+    (trained / "daca.json").write_text("{not json")  # reported when the model loads
+    g = load_config(None, [f"model={trained}"]).generation
+    assert g.gen_length == config.GenerationConfig().gen_length
+    g = load_config(None, [f"model={recipe}"]).generation  # no daca.json beside it
     assert g.gen_length == config.GenerationConfig().gen_length

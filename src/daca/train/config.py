@@ -337,20 +337,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         for key, value in METHODS[method].published.items():
             if key not in given:  # the command line wins over the method's published value
                 data[key] = value
-    _shipped_lengths(data)
+    _model_lengths(data)
     cfg = resolved(from_dict(TrainConfig, data))
     validate(cfg)
     return cfg
 
 
-# The generation fields a shipped tiny model was trained for (its daca.json ``generation``).
-_SHIPPED_LENGTHS = ("gen_length", "steps", "block_length")
+# The generation fields a model folder was trained for (its daca.json ``generation``).
+_MODEL_LENGTHS = ("gen_length", "steps", "block_length")
 
 
-def _shipped_lengths(data: dict) -> None:
-    """A shipped tiny model (``model: tiny``) brings the completion length, steps and block it
-    was pretrained for (``sudoku-trace``: L 64 in two blocks of 32) as the run's defaults;
-    what the recipe or the command line sets wins."""
+def _model_lengths(data: dict) -> None:
+    """A model folder written by daca (a shipped tiny model, ``model: tiny``, or a run's saved
+    checkpoint) brings the completion length, steps and block it was trained for
+    (``sudoku-trace``: L 64 in two blocks of 32) as the run's defaults, as ``daca eval`` reads
+    them; what the recipe or the command line sets wins."""
     model, task = data.get("model", "tiny"), data.get("task", "sudoku")
     if not (isinstance(model, str) and isinstance(task, str)):
         return  # a wrong type: reported with its key by from_dict
@@ -358,14 +359,19 @@ def _shipped_lengths(data: dict) -> None:
         name = tiny_for_task(model, task)
     except ValueError:  # reported with the key named by ``resolved``
         return
-    meta_file = SHIPPED[name] / "daca.json" if name in SHIPPED else None
+    meta_file = (SHIPPED[name] if name in SHIPPED else Path(name)) / "daca.json"
     section = data.get("generation", {})
-    if meta_file is None or not meta_file.is_file() or not isinstance(section, dict):
+    if not meta_file.is_file() or not isinstance(section, dict):
         return
-    trained = json.loads(meta_file.read_text()).get("generation", {})
+    try:
+        trained = json.loads(meta_file.read_text()).get("generation", {})
+    except (OSError, ValueError, AttributeError):
+        return  # a bad daca.json is reported, with its path, when the model loads
+    if not isinstance(trained, dict):
+        return
     section = data.setdefault("generation", section)
-    for key in _SHIPPED_LENGTHS:
-        if key in trained:
+    for key in _MODEL_LENGTHS:
+        if isinstance(trained.get(key), int):
             section.setdefault(key, trained[key])
 
 
