@@ -105,6 +105,17 @@ def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
     assert trace == 6 * 2145.125 * (126464 * 2 + 4)
     # block scope: k = 16 steps per block, 32 (16 + 2 * 4 - 1)^2 / (4 * 4 * 16) = 66.125 rows
     assert dps_trace_rows(256, 128, 32, 4, "block") == 66.125
+    # The first step of a block: its 6 x 32 logits rows copied (bf16), then the float64
+    # Gumbel-max over them (4 float64 tensors of their size at its peak).
+    candidates = est.rollout["candidates of one block (float64 Gumbel-max)"]
+    assert candidates == 6 * 32 * 126464 * (2 + 32)
+    # LoRA's dropout copies of the projections' inputs and rank-r outputs: in the one layer that
+    # gradient checkpointing recomputes, 6 hidden- and 1 MLP-sized inputs + 7 r per token.
+    undropped = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml", ["lora.dropout=0"]))
+    (key,) = (k for k in est.update if k.startswith("activations"))
+    assert est.update[key] - undropped.update[key] == pytest.approx(
+        6 * 512 * 2 * (6 * 4096 + 12288)
+    )
     full = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml", ["sml.enabled=true"]))
     assert "SML views (K=4: activations + rows)" in full.update
     assert full.peak > est.peak

@@ -6,7 +6,8 @@ cache's), its parameters and projections read off the module; no weights are loa
 estimate follows the trainer's phases: a rollout (no gradients: the forward's logits and the
 DPS trace) and an update (activations of every forward in the loss, the log-softmax rows it
 keeps), on top of the weights and the trainable state that live throughout. It is a planning
-number (±30 %), not a measurement; ``benchmarks/gpu_smoke.sh`` prints measured peaks.
+number (±30 %), not a measurement; ``benchmarks/gpu_smoke.sh`` prints measured peaks, and
+``benchmarks/bench_memory_planner.py`` checks it against a 4-bit CPU run of a 170 M model.
 """
 
 from __future__ import annotations
@@ -91,11 +92,25 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
         est.rollout[f"DPS trace (peak, scope {cfg.dps.scope}, s={cfg.dps.stride})"] = (
             b * rows * (V * act + 4)
         )
+    # The candidates of a block's first step, every position masked (daca.core.sampler:
+    # _candidates, gumbel_argmax, candidate_confidence): a copy of the block's logits rows, then
+    # LLaDA's float64 Gumbel-max, whose noise and temporaries peak at 4 float64 tensors of the
+    # rows' size (36 bytes per entry measured with an fp32 copy, bench_memory_planner.py), or
+    # at temperature 0 the float64 softmax of the confidence alone (2 tensors).
+    f64 = 32 if g.temperature > 0 else 16 if g.remasking == "low_confidence" else 0
+    bl = min(g.block_length, g.gen_length)
+    est.rollout["candidates of one block (float64 Gumbel-max)"] = b * bl * V * (act + f64)
 
     # Update: every forward of the loss keeps its activations until the backward. Per token and
     # layer ~10 hidden-sized and 4 MLP-sized tensors; with checkpointing, the layer inputs only,
     # plus one layer recomputed at a time.
     per_layer = act * (10 * h + 4 * shape.mlp)
+    if cfg.lora.enabled:
+        # PEFT saves each adapter's rank-r output of A and, with dropout, its own dropped-out
+        # copy of the projection's input (6 hidden- and 1 MLP-sized for Llama; measured: +49 %
+        # per layer at d 512, MLP 1536, r 128, bench_memory_planner.py).
+        inputs = sum(i for i, _ in shape.linears) if cfg.lora.dropout > 0 else 0
+        per_layer += act * (inputs + cfg.lora.r * len(shape.linears)) / layers
     if cfg.gradient_checkpointing:
         per_forward, recompute = b * T * layers * act * h, b * T * per_layer
     else:
