@@ -363,7 +363,7 @@ def _model_lengths(data: dict) -> None:
     section = data.get("generation", {})
     if not meta_file.is_file() or not isinstance(section, dict):
         return
-    try:
+    try:  # not models.loading.read_meta: that module imports torch, which `--help` must not
         trained = json.loads(meta_file.read_text()).get("generation", {})
     except (OSError, ValueError, AttributeError):
         return  # a bad daca.json is reported, with its path, when the model loads
