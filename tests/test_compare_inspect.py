@@ -151,6 +151,49 @@ def test_the_interval_of_five_seeds_and_its_verdict_by_hand():
     assert rows["dps"]["wins"] == 4
 
 
+def test_a_sweep_is_measured_against_its_reference_variant_by_hand():
+    held_out = {("dps", 0): 0.50, ("dps", 1): 0.60, ("lam1", 0): 0.47, ("lam1", 1): 0.61}
+    results = [
+        {"method": "diffu_grpo", "variant": v, "seed": s, "held_out": x}
+        for (v, s), x in held_out.items()
+    ]
+    rows = {r["variant"]: r for r in compare.table_rows(results, reference="dps")}
+    # Per-seed Δ against dps: −0.03 and +0.01, so Δ = −0.01 ± 0.02, one win.
+    assert rows["lam1"]["delta"] == pytest.approx(-0.01)
+    assert rows["lam1"]["delta_std"] == pytest.approx(0.02)
+    assert rows["lam1"]["wins"] == 1
+    assert compare._delta_cells(rows["dps"]) == ("", "", "")  # the reference row itself
+    assert compare._delta_cells(rows["lam1"])[0] == "-1.0 ± 2.0"
+    # Against base (absent here) there is no Δ at all.
+    assert all(r["delta"] is None for r in compare.table_rows(results))
+
+
+def test_seeds_are_a_count_or_a_list():
+    assert compare.parse_seeds("5") == 5
+    assert compare.parse_seeds("2-4") == [2, 3, 4]
+    assert compare.parse_seeds("0,2-3,2") == [0, 2, 3]
+    for bad in ("0", "4-2", "a", "1-", ",", "-1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            compare.parse_seeds(bad)
+
+
+def test_a_seed_list_runs_those_cells_and_a_count_reuses_them(grid):
+    grid = {**grid, "methods": ["wd1"], "variants": compare.parse_variants("base")}
+    logs = []
+    compare.run_grid(**{**grid, "seeds": [1]}, log=logs.append)
+    assert logs == ["[1/1] wd1-base-seed1: running"]
+    run = grid["out"] / "runs" / "wd1-base-seed1"
+    assert "seed: 1\n" in (run / "config.yaml").read_text()
+    logs.clear()
+    results = compare.run_grid(**{**grid, "seeds": 2}, log=logs.append)
+    # Skips are told while the grid is checked, before the first run starts.
+    assert logs == [
+        "[2/2] wd1-base-seed1: finished earlier, skipped",
+        "[1/2] wd1-base-seed0: running",
+    ]
+    assert [r["seed"] for r in results] == [0, 1]
+
+
 def test_custom_variants_and_errors(tmp_path, capsys):
     v = compare.parse_variants("base,raw:dps.enabled=true;dps.last_step=raw")
     assert v["raw"] == ["dps.enabled=true", "dps.last_step=raw"]
@@ -161,6 +204,12 @@ def test_custom_variants_and_errors(tmp_path, capsys):
     assert "unknown method 'wd2'" in capsys.readouterr().err
     assert main(["compare", "--report-only", "--out", str(tmp_path)]) == 2
     assert "no finished cell" in capsys.readouterr().err
+    assert main(["compare", "--variants", "base,dps", "--reference", "sml", "--out", "x"]) == 2
+    assert (
+        "--reference 'sml' is not a variant of the grid: ['base', 'dps']" in capsys.readouterr().err
+    )
+    assert main(["compare", "--seeds", "3-1", "--out", str(tmp_path)]) == 2
+    assert "--seeds '3-1'" in capsys.readouterr().err
 
 
 def test_inspect_renders_png_and_html(grid, capsys):

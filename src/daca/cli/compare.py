@@ -6,7 +6,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from daca.tools.compare import ABLATION_METHOD, ABLATIONS, VARIANTS, parse_variants, run_grid
+from daca.tools.compare import (
+    ABLATION_METHOD,
+    ABLATIONS,
+    VARIANTS,
+    parse_seeds,
+    parse_variants,
+    run_grid,
+)
 from daca.train.config import ConfigError
 from daca.train.interrupts import Interrupted
 from daca.train.methods import METHODS, paper_methods
@@ -26,11 +33,21 @@ def add_arguments(p) -> None:
         help="base,dps,sml,daca or custom name:key=value;key=value",
     )
     p.add_argument(
+        "--reference",
+        metavar="VARIANT",
+        help="the variant each Δ and interval is taken against (default: base), e.g. a sweep's "
+        "current default",
+    )
+    p.add_argument(
         "--ablation",
         choices=sorted(ABLATIONS),
         help=f"the DPS ablation grid on {ABLATION_METHOD} (overrides --methods/--variants)",
     )
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument(
+        "--seeds",
+        default="3",
+        help="a count (3: seeds 0, 1, 2) or the seeds to run: 2-4, 0,3 (to complete a grid)",
+    )
     p.add_argument(
         "--steps",
         type=int,
@@ -71,7 +88,7 @@ def run(args) -> int:
     try:
         methods = grid_methods(args.methods, quick=args.quick)
         variants = parse_variants(args.variants)
-        seeds, steps = args.seeds, args.steps
+        seeds, steps = parse_seeds(args.seeds), args.steps
         if args.ablation:
             methods, variants = [ABLATION_METHOD], ABLATIONS[args.ablation]
         if args.quick:
@@ -89,6 +106,7 @@ def run(args) -> int:
             overrides=tuple(args.overrides),
             jobs=args.jobs,
             report_only=args.report_only,
+            reference=args.reference,
         )
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -58,6 +58,25 @@ class Cell:
         return f"{self.method}-{self.variant}-seed{self.seed}"
 
 
+def parse_seeds(text: str) -> int | list[int]:
+    """``5`` (seeds 0 … 4), or the seeds themselves: ``2-4``, ``0,3`` or both (``0,2-4``)."""
+    text = text.strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise ConfigError(f"--seeds {text}: need at least one seed")
+        return int(text)
+    seeds: list[int] = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        low, dash, high = part.partition("-")
+        high = high if dash else low
+        if not (low.isdigit() and high.isdigit()) or int(high) < int(low):
+            raise ConfigError(f"--seeds {text!r}: use a count (5), a range (2-4) or a list (0,3)")
+        seeds.extend(s for s in range(int(low), int(high) + 1) if s not in seeds)
+    if not seeds:
+        raise ConfigError(f"--seeds {text!r}: no seed")
+    return seeds
+
+
 def parse_variants(text: str) -> dict[str, list[str]]:
     """``base,dps`` or custom ``name:key=value;key=value`` entries."""
     out = {}
@@ -91,7 +110,7 @@ def run_grid(
     task: str,
     methods: list[str],
     variants: dict[str, list[str]],
-    seeds: int,
+    seeds: int | list[int],
     steps: int,
     out: Path,
     config: str | None = None,
@@ -99,6 +118,7 @@ def run_grid(
     progress: bool = True,
     jobs: int = 1,
     report_only: bool = False,
+    reference: str | None = None,
     log=print,
 ) -> list[dict]:
     """Run (or resume, or skip) every cell; return one result row per finished cell.
@@ -107,18 +127,26 @@ def run_grid(
     CPU threads: the tiny model does not use many threads well, so on a CPU this is the faster
     way through a grid. Every cell is seeded, so the numbers do not depend on ``jobs``.
     report_only: run nothing, and write the tables from the cells finished so far.
+    reference: the variant every Δ is taken against (default ``base``; a sweep's default).
+    seeds: a count (seeds 0 … n−1) or the seeds themselves, so that a grid can be completed
+    seed by seed (the cell of seed k is the same run whichever way it was asked for).
     """
     from daca.train.checkpointing import latest_checkpoint
 
     if jobs < 1:
         raise ConfigError(f"jobs must be >= 1, got {jobs}")
+    if reference is not None and reference not in variants:
+        raise ConfigError(
+            f"--reference {reference!r} is not a variant of the grid: {list(variants)}"
+        )
     for m in methods:
         try:
             get_method(m)
         except KeyError as e:
             raise ConfigError(e.args[0]) from None
     # Seed-major order: an interrupted grid still has whole seeds' tables.
-    cells = [Cell(m, v, s) for s in range(seeds) for m in methods for v in variants]
+    seed_list = range(seeds) if isinstance(seeds, int) else seeds
+    cells = [Cell(m, v, s) for s in seed_list for m in methods for v in variants]
     # Check every cell's config before the first run starts.
     configs = {
         c.name: load_config(config, cell_overrides(c, variants, out, task, steps, overrides))
@@ -146,7 +174,7 @@ def run_grid(
     results = [_result(c, d) for c, d in done if (d / "summary.json").is_file()]
     if not results:
         raise FileNotFoundError(f"no finished cell under {out / 'runs'} to report")
-    write_reports(results, out, task)
+    write_reports(results, out, task, reference or "base")
     return results
 
 
@@ -281,8 +309,8 @@ def _wait_for_cells(futures: dict, stop: StopSignals, log) -> None:
 
 
 TABLE_FIELDS = [
-    "method", "variant", "mean", "std", "seeds", "delta", "delta_std", "delta_ci95", "wins",
-    "minutes",
+    "method", "variant", "mean", "std", "seeds", "reference", "delta", "delta_std", "delta_ci95",
+    "wins", "minutes",
 ]  # fmt: skip
 
 # Student's t, two-sided 95 % (the 0.975 quantile), by degrees of freedom; beyond 30, 1.96.
@@ -301,10 +329,11 @@ def paired_interval(diffs: list[float]) -> float | None:
     return t * statistics.stdev(diffs) / n**0.5
 
 
-def table_rows(results: list[dict]) -> list[dict]:
-    """Mean ± std (population; 0 for one seed) per (method, variant), and Δ to the base row:
-    where every seed has its base run, the mean of the per-seed differences, their std, the
-    95 % t interval of that mean (``paired_interval``) and the seeds where the variant won."""
+def table_rows(results: list[dict], reference: str = "base") -> list[dict]:
+    """Mean ± std (population; 0 for one seed) per (method, variant), and Δ to the reference
+    row (the base method, or a sweep's default): where every seed has its reference run, the
+    mean of the per-seed differences, their std, the 95 % t interval of that mean
+    (``paired_interval``) and the seeds where the variant won."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         groups.setdefault((r["method"], r["variant"]), []).append(r)
@@ -322,32 +351,35 @@ def table_rows(results: list[dict]) -> list[dict]:
                 "minutes": statistics.fmean(seconds) / 60 if seconds else None,
             }
         )
-    base = {r["method"]: r["mean"] for r in rows if r["variant"] == "base"}
-    # A seed shares its data order and held-out problems with the base run of the same seed,
-    # so the spread of the per-seed differences is the fair error bar on Δ.
-    base_of = {
+    ref_mean = {r["method"]: r["mean"] for r in rows if r["variant"] == reference}
+    # A seed shares its data order and held-out problems with the reference run of the same
+    # seed, so the spread of the per-seed differences is the fair error bar on Δ.
+    ref_of = {
         (r["method"], r["seed"]): r["held_out"]
         for r in results
-        if r["variant"] == "base" and "seed" in r
+        if r["variant"] == reference and "seed" in r
     }
     for row in rows:
         runs = groups[(row["method"], row["variant"])]
         keys = [(row["method"], r.get("seed")) for r in runs]
+        row["reference"] = reference
         row["delta_ci95"] = row["wins"] = None
-        if all(k in base_of for k in keys):  # the same seeds as base: Δ is the mean of pairs
-            diffs = [r["held_out"] - base_of[k] for r, k in zip(runs, keys, strict=True)]
+        if all(k in ref_of for k in keys):  # the same seeds as the reference: mean of pairs
+            diffs = [r["held_out"] - ref_of[k] for r, k in zip(runs, keys, strict=True)]
             row["delta"], row["delta_std"] = statistics.fmean(diffs), statistics.pstdev(diffs)
             row["delta_ci95"] = paired_interval(diffs)
             row["wins"] = sum(d > 0 for d in diffs)
         else:
-            row["delta"] = row["mean"] - base[row["method"]] if row["method"] in base else None
+            row["delta"] = (
+                row["mean"] - ref_mean[row["method"]] if row["method"] in ref_mean else None
+            )
             row["delta_std"] = None
     return rows
 
 
 def _delta_cells(r: dict) -> tuple[str, str, str]:
-    """The table's Δ, 95 % interval and wins cells of a row (blank for a base row)."""
-    if r["delta"] is None or r["variant"] == "base":
+    """The table's Δ, 95 % interval and wins cells of a row (blank for the reference row)."""
+    if r["delta"] is None or r["variant"] == r["reference"]:
         return "", "", ""
     delta = f"{100 * r['delta']:+.1f}"
     if r["delta_std"] is not None:
@@ -362,16 +394,17 @@ def _delta_cells(r: dict) -> tuple[str, str, str]:
     return delta, interval, wins
 
 
-def write_reports(results: list[dict], out: Path, task: str) -> None:
-    rows = table_rows(results)
+def write_reports(results: list[dict], out: Path, task: str, reference: str = "base") -> None:
+    rows = table_rows(results, reference)
     out.mkdir(parents=True, exist_ok=True)
     with (out / f"{task}-table.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=TABLE_FIELDS)
         w.writeheader()
         w.writerows(rows)
     lines = [
-        f"| method | variant | held-out {task} (mean ± std) | Δ vs base (± std of the "
-        "per-seed Δ) | 95 % interval of the mean Δ | variant > base | seeds | min per run |",
+        f"| method | variant | held-out {task} (mean ± std) | Δ vs {reference} (± std of the "
+        f"per-seed Δ) | 95 % interval of the mean Δ | variant > {reference} | seeds | "
+        "min per run |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
