@@ -67,6 +67,27 @@ def test_grid_runs_skips_finished_cells_and_tabulates_means(grid, tmp_path):
     assert (grid["out"] / "sudoku-bars.png").is_file()
 
 
+def test_a_grid_record_stands_for_run_folders_that_are_gone(grid):
+    """A grid carried to another machine as its ``results.json`` alone reports the same
+    table and reruns none of its cells; rows of other grids in the folder are kept."""
+    import shutil
+
+    first = compare.run_grid(**grid)
+    shutil.rmtree(grid["out"] / "runs" / "wd1-dps-seed0")
+    logs = []
+    again = compare.run_grid(**grid, log=logs.append)
+    assert "[2/4] wd1-dps-seed0: recorded in sudoku-results.json, skipped" in logs
+    assert not any("running" in x for x in logs)
+    assert json.loads(json.dumps(first)) == json.loads(json.dumps(again))
+    table = (grid["out"] / "sudoku-table.md").read_text()
+    # A smaller grid in the same folder tabulates its own cells and keeps the others' rows.
+    compare.run_grid(**{**grid, "methods": ["diffu_grpo"]}, report_only=True)
+    assert "| wd1 |" not in (grid["out"] / "sudoku-table.md").read_text()
+    assert len(json.loads((grid["out"] / "sudoku-results.json").read_text())) == 4
+    compare.run_grid(**grid, report_only=True)
+    assert (grid["out"] / "sudoku-table.md").read_text() == table
+
+
 def test_parallel_cells_give_the_same_numbers(grid, tmp_path, monkeypatch):
     # One thread per worker, as in this process: float sums depend on the thread count.
     monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)

@@ -1,8 +1,8 @@
 """``daca compare``: the paper's ablation grid at small scale (methods × variants × seeds).
 
 Every cell is a ``daca train`` run with the same budget, seeds and data order; a finished cell
-(its ``summary.json`` exists) is never run again, an interrupted one resumes from its last
-checkpoint. SIGINT or SIGTERM stops the grid: every running cell saves its last finished step
+(its ``summary.json`` exists, or, its run folder gone, its row in the grid's ``results.json``)
+is never run again, an interrupted one resumes from its last checkpoint. SIGINT or SIGTERM stops the grid: every running cell saves its last finished step
 (the workers of ``--jobs`` too), and running the same command again resumes them. The table
 reports the held-out metric at temperature 0, mean ± std over seeds, and
 the difference to the method's base row, like the paper's main table. ``--jobs N`` runs N cells
@@ -152,11 +152,15 @@ def run_grid(
         c.name: load_config(config, cell_overrides(c, variants, out, task, steps, overrides))
         for c in cells
     }
+    recorded = _recorded_rows(out / f"{task}-results.json")
     pending = []
     for i, cell in enumerate(cells, 1):
         run_dir = out / "runs" / cell.name
         if (run_dir / "summary.json").is_file():
             log(f"[{i}/{len(cells)}] {cell.name}: finished earlier, skipped")
+            continue
+        if cell.name in recorded and not run_dir.exists():
+            log(f"[{i}/{len(cells)}] {cell.name}: recorded in {task}-results.json, skipped")
             continue
         if report_only:
             log(f"[{i}/{len(cells)}] {cell.name}: not finished, left out of the tables")
@@ -170,12 +174,28 @@ def run_grid(
         _run_serial(pending, progress, log)
     else:
         _run_parallel(pending, jobs, log)
-    done = [(c, out / "runs" / c.name) for c in cells]
-    results = [_result(c, d) for c, d in done if (d / "summary.json").is_file()]
+    results = []
+    for c in cells:
+        run_dir = out / "runs" / c.name
+        if (run_dir / "summary.json").is_file():
+            results.append(_result(c, run_dir))
+        elif c.name in recorded and not run_dir.exists():  # a run folder outranks the record
+            results.append(recorded[c.name])
     if not results:
         raise FileNotFoundError(f"no finished cell under {out / 'runs'} to report")
-    write_reports(results, out, task, reference or "base")
+    others = [row for name, row in recorded.items() if name not in {c.name for c in cells}]
+    write_reports(results, out, task, reference or "base", also_recorded=others)
     return results
+
+
+def _recorded_rows(path: Path) -> dict[str, dict]:
+    """The cells a grid's ``results.json`` records, by cell name. A finished cell's row is
+    all its table needs, so a grid whose run folders are gone (another machine, a cleaned
+    disk) still reports and completes from its record, and never reruns those cells."""
+    if not path.is_file():
+        return {}
+    rows = json.loads(path.read_text())
+    return {Cell(r["method"], r["variant"], r["seed"]).name: r for r in rows}
 
 
 def _result(cell: Cell, run_dir: Path) -> dict:
@@ -394,7 +414,11 @@ def _delta_cells(r: dict) -> tuple[str, str, str]:
     return delta, interval, wins
 
 
-def write_reports(results: list[dict], out: Path, task: str, reference: str = "base") -> None:
+def write_reports(
+    results: list[dict], out: Path, task: str, reference: str = "base", also_recorded=()
+) -> None:
+    """The table (Markdown, CSV), the plots, and ``results.json``: this grid's rows and
+    ``also_recorded``, the rows of other grids run in the same folder, kept."""
     rows = table_rows(results, reference)
     out.mkdir(parents=True, exist_ok=True)
     with (out / f"{task}-table.csv").open("w", newline="") as fh:
@@ -415,7 +439,8 @@ def write_reports(results: list[dict], out: Path, task: str, reference: str = "b
             f"{100 * r['std']:.1f} | {delta} | {interval} | {wins} | {r['seeds']} | {minutes} |"
         )
     (out / f"{task}-table.md").write_text("\n".join(lines) + "\n")
-    (out / f"{task}-results.json").write_text(json.dumps(results, indent=1) + "\n")
+    record = [*results, *also_recorded]
+    (out / f"{task}-results.json").write_text(json.dumps(record, indent=1) + "\n")
     with contextlib.suppress(ImportError):  # matplotlib is an extra: tables only without it
         _plots(results, rows, out, task)
 
