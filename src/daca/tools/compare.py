@@ -2,11 +2,12 @@
 
 Every cell is a ``daca train`` run with the same budget, seeds and data order; a finished cell
 (its ``summary.json`` exists, or, its run folder gone, its row in the grid's ``results.json``)
-is never run again, an interrupted one resumes from its last checkpoint. SIGINT or SIGTERM stops the grid: every running cell saves its last finished step
-(the workers of ``--jobs`` too), and running the same command again resumes them. The table
-reports the held-out metric at temperature 0, mean ± std over seeds, and
-the difference to the method's base row, like the paper's main table. ``--jobs N`` runs N cells
-side by side; ``--report-only`` tabulates a partial grid without running anything.
+is never run again, an interrupted one resumes from its last checkpoint. SIGINT or SIGTERM
+stops the grid: every running cell saves its last finished step (the workers of ``--jobs``
+too), and running the same command again resumes them. The table reports the held-out metric
+at temperature 0, mean ± std over seeds, and the difference to the method's base row (or
+``--reference``), like the paper's main table. ``--jobs N`` runs N cells side by side;
+``--report-only`` tabulates a partial grid without running anything.
 """
 
 from __future__ import annotations
