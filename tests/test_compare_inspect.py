@@ -233,6 +233,20 @@ def test_custom_variants_and_errors(tmp_path, capsys):
     assert "--seeds '3-1'" in capsys.readouterr().err
 
 
+def test_a_cell_taken_by_another_grid_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    """Two grids in one folder can reach the same cell: the second is told so and stops."""
+    import daca.cli.compare as cli
+
+    def taken(**_):
+        raise FileExistsError("grid/runs/wd1-base-seed0 already holds a run; resume it with …")
+
+    monkeypatch.setattr(cli, "run_grid", taken)
+    assert main(["compare", "--methods", "wd1", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        "error: grid/runs/wd1-base-seed0 already holds a run; resume it with …\n"
+    )
+
+
 def test_inspect_renders_png_and_html(grid, capsys):
     compare.run_grid(**grid)
     run = grid["out"] / "runs" / "wd1-dps-seed0"

@@ -46,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--seeds",
         default="3",
-        help="a count (3: seeds 0, 1, 2) or the seeds to run: 2-4, 0,3 (to complete a grid)",
+        help="a count (3: seeds 0, 1, 2) or the seeds to run: 2-4, 0,3, one seed 4-4 (to "
+        "complete a grid)",
     )
     p.add_argument(
         "--steps",
@@ -108,7 +109,7 @@ def run(args) -> int:
             report_only=args.report_only,
             reference=args.reference,
         )
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:  # e.g. two grids, one cell
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
