@@ -75,7 +75,7 @@ class SMLConfig:
     enabled: bool = _f(False, "use the stratified likelihood")
     num_strata: int = _f(4, "K strata; each token sees (K-1)/K of the completion")
     strata: Literal[options.STRATA] = _f("random", "how strata are cut")
-    eta: float = _f(0.1, "wd1 only: weight η of the SML likelihood term")
+    eta: float = _f(0.01, "wd1 only: weight η of the SML likelihood term (METHOD.md §4)")
 
 
 @dataclass
