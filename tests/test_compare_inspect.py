@@ -86,6 +86,9 @@ def test_a_grid_record_stands_for_run_folders_that_are_gone(grid):
     assert len(json.loads((grid["out"] / "sudoku-results.json").read_text())) == 4
     compare.run_grid(**grid, report_only=True)
     assert (grid["out"] / "sudoku-table.md").read_text() == table
+    (grid["out"] / "sudoku-results.json").write_text('[{"method": "wd1"}]')
+    with pytest.raises(ValueError, match="sudoku-results.json: not a grid's record"):
+        compare.run_grid(**grid, report_only=True)
 
 
 def test_parallel_cells_give_the_same_numbers(grid, tmp_path, monkeypatch):

@@ -195,8 +195,13 @@ def _recorded_rows(path: Path) -> dict[str, dict]:
     disk) still reports and completes from its record, and never reruns those cells."""
     if not path.is_file():
         return {}
-    rows = json.loads(path.read_text())
-    return {Cell(r["method"], r["variant"], r["seed"]).name: r for r in rows}
+    try:
+        rows = json.loads(path.read_text())
+        return {Cell(r["method"], r["variant"], r["seed"]).name: r for r in rows}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{path}: not a grid's record of cells ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _result(cell: Cell, run_dir: Path) -> dict:
