@@ -184,7 +184,8 @@ def run_grid(
             results.append(recorded[c.name])
     if not results:
         raise FileNotFoundError(f"no finished cell under {out / 'runs'} to report")
-    others = [row for name, row in recorded.items() if name not in {c.name for c in cells}]
+    names = {c.name for c in cells}
+    others = [row for name, row in recorded.items() if name not in names]
     write_reports(results, out, task, reference or "base", also_recorded=others)
     return results
 
