@@ -38,6 +38,10 @@ PRESETS = {
     "tiny": {"max_number": 20, "max_target": 100},
     "public": {"max_number": 100, "max_target": 100},
 }
+# Consecutive draws without a new problem after which the generator gives up, so that asking
+# for more problems than a split holds (the tiny preset's train split: 11,522) fails in seconds
+# rather than after 1,000 draws per problem asked for.
+MAX_MISSES = 100_000
 CORRECT_REWARD = 1.0
 WELL_FORMED_REWARD = 0.1
 
@@ -136,9 +140,13 @@ def generate_problems(
     rng = random.Random(f"countdown:{split}:{seed}")
     rows: list[dict[str, Any]] = []
     seen: set[tuple[tuple[int, ...], int]] = set()
-    for _ in range(1000 * n + 1000):  # bounded: asking for more distinct problems than exist fails
+    misses = 0  # draws since the last new problem: asking for more than exist fails quickly
+    for _ in range(1000 * n + 1000):
         if len(rows) == n:
             return rows
+        if misses >= MAX_MISSES:
+            break
+        misses += 1
         numbers = rng.sample(range(1, max_number + 1), 3)
         if split_of(numbers) != split:
             continue
@@ -151,6 +159,7 @@ def generate_problems(
         if key in seen:
             continue
         seen.add(key)
+        misses = 0
         rows.append({"numbers": numbers, "target": target, "solution": reachable[Fraction(target)]})
     if len(rows) == n:
         return rows
