@@ -61,6 +61,8 @@ def test_tiny_means_the_shipped_model_of_the_task():
     assert META["tiny"]["pretrain"]["task"] == "sudoku"
     assert META["tiny-countdown"]["pretrain"]["task"] == "countdown"
     assert META["tiny-sudoku-trace"]["pretrain"]["task"] == "sudoku-trace"
+    assert load_config(None, ["task=countdown-trace"]).model == "tiny-countdown-trace"
+    assert META["tiny-countdown-trace"]["pretrain"]["task"] == "countdown-trace"
 
 
 def test_the_trace_model_has_real_partial_skill_in_its_trace_too():

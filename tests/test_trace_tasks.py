@@ -184,19 +184,21 @@ def test_the_tiny_tokenizer_keeps_tags_whole_and_round_trips():
     assert plain("12+3=", add_special_tokens=False)["input_ids"] == [5, 6, 14, 7, 20]
 
 
-def test_tiny_means_the_trace_tasks_shipped_model_where_one_is_shipped():
+def test_tiny_means_the_trace_tasks_shipped_models():
     assert tiny_for_task("tiny", "sudoku-trace") == "tiny-sudoku-trace"
-    with pytest.raises(ValueError, match="daca pretrain --task countdown-trace"):
-        tiny_for_task("tiny", "countdown-trace")
+    assert tiny_for_task("tiny", "countdown-trace") == "tiny-countdown-trace"
     assert tiny_for_task("some/dir", "countdown-trace") == "some/dir"
     assert tiny_for_task("tiny", "countdown") == "tiny-countdown"
 
 
-def test_the_shipped_trace_model_reasons_in_two_blocks_at_the_papers_ratio():
+@pytest.mark.parametrize("task", ["sudoku-trace", "countdown-trace"])
+def test_the_shipped_trace_models_reason_in_two_blocks_at_the_papers_ratio(task):
     """The run takes the model's lengths: L 64 in two blocks of 32, steps = L / 2."""
     from daca.train.config import load_config
 
-    g = load_config(None, ["task=sudoku-trace"]).generation
+    cfg = load_config(None, [f"task={task}"])
+    g = cfg.generation
+    assert cfg.model == f"tiny-{task}"
     assert (g.gen_length, g.block_length, g.steps) == (64, 32, 32)
 
 
@@ -228,11 +230,3 @@ def test_a_pretrained_trace_model_loads_as_llada_and_evaluates(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert code == 0
     assert "L=128" in printed and "block=32" in printed
-
-
-def test_train_names_the_missing_shipped_model_in_one_line(capsys):
-    from daca.cli import main
-
-    assert main(["train", "task=countdown-trace", "--dry-run"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "daca pretrain --task countdown-trace" in err[0]

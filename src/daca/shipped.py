@@ -10,29 +10,24 @@ from pathlib import Path
 
 TINY_PATH = Path(__file__).resolve().parent / "assets" / "tiny"
 # One tiny model per embedded task (the tiny model is too small to learn both Sudoku and
-# Countdown well at once); the trace task's model answers in 64 tokens, in two blocks.
+# Countdown well at once); the trace tasks' models answer in 64 tokens, in two blocks.
 SHIPPED = {
     "tiny": TINY_PATH,
     "tiny-countdown": TINY_PATH.parent / "tiny-countdown",
     "tiny-sudoku-trace": TINY_PATH.parent / "tiny-sudoku-trace",
+    "tiny-countdown-trace": TINY_PATH.parent / "tiny-countdown-trace",
 }
 # The shipped model that ``"tiny"`` means for a task (others: ``"tiny"``, the Sudoku model).
 TASK_MODELS = {
     "countdown": "tiny-countdown",
     "countdown-public": "tiny-countdown",
     "sudoku-trace": "tiny-sudoku-trace",
+    "countdown-trace": "tiny-countdown-trace",
 }
-# Tasks whose tiny model is not shipped yet (``daca pretrain --task T`` makes one).
-NOT_SHIPPED = ("countdown-trace",)
 
 
 def tiny_for_task(name_or_path: str | None, task: str) -> str | None:
     """``"tiny"`` means the shipped model of the task (``TASK_MODELS``)."""
     if name_or_path not in (None, "", "tiny"):
         return name_or_path
-    if task in NOT_SHIPPED:
-        raise ValueError(
-            f"no tiny model is shipped for task {task!r} yet: make one with "
-            f"`daca pretrain --task {task} --out DIR` and pass it as the model"
-        )
     return TASK_MODELS.get(task, name_or_path)

@@ -350,15 +350,12 @@ _MODEL_LENGTHS = ("gen_length", "steps", "block_length")
 def _model_lengths(data: dict) -> None:
     """A model folder written by daca (a shipped tiny model, ``model: tiny``, or a run's saved
     checkpoint) brings the completion length, steps and block it was trained for
-    (``sudoku-trace``: L 64 in two blocks of 32) as the run's defaults, as ``daca eval`` reads
+    (the trace tasks': L 64 in two blocks of 32) as the run's defaults, as ``daca eval`` reads
     them; what the recipe or the command line sets wins."""
     model, task = data.get("model", "tiny"), data.get("task", "sudoku")
     if not (isinstance(model, str) and isinstance(task, str)):
         return  # a wrong type: reported with its key by from_dict
-    try:
-        name = tiny_for_task(model, task)
-    except ValueError:  # reported with the key named by ``resolved``
-        return
+    name = tiny_for_task(model, task)
     meta_file = (SHIPPED[name] if name in SHIPPED else Path(name)) / "daca.json"
     section = data.get("generation", {})
     if not meta_file.is_file() or not isinstance(section, dict):
@@ -401,10 +398,7 @@ def published_differences(cfg: TrainConfig) -> list[str]:
 def resolved(cfg: TrainConfig) -> TrainConfig:
     """Fill the fields left to the task, the method or the variant (``model``, ``beta``,
     DPS/SML switches, and the run's ``name`` from them)."""
-    try:
-        cfg = dataclasses.replace(cfg, model=tiny_for_task(cfg.model, cfg.task))
-    except ValueError as e:  # "tiny" for a task without a shipped model
-        raise ConfigError(f"model: {e}") from None
+    cfg = dataclasses.replace(cfg, model=tiny_for_task(cfg.model, cfg.task))
     if cfg.beta is None:
         cfg = dataclasses.replace(cfg, beta=METHODS[cfg.method].beta)
     if cfg.variant is not None:
