@@ -211,7 +211,7 @@ def test_generator_rejects_bad_arguments():
     assert len(generate_problems(5, split=split, max_number=3, max_target=5)) == 5
     with pytest.raises(ValueError, match="found only 5 of 6"):
         generate_problems(6, split=split, max_number=3, max_target=5)
-    # Asking for far more than exist gives up after MAX_MISSES draws, not 1,000 per problem.
+    # Asking for far more than exist gives up after MAX_MISSES draws without a new one.
     with pytest.raises(ValueError, match="found only 5 of 100000000"):
         generate_problems(10**8, split=split, max_number=3, max_target=5)
 
