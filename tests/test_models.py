@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import random_mlm
 from transformers import ModernBertForMaskedLM
 
@@ -180,6 +181,22 @@ def test_bucketed_forward_only_removes_left_padding():
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(ValueError, match="left padding only"):
         bucketed_forward(model, ids, attention_mask=torch.tensor([[1, 1, 0, 1]]))
+
+
+def test_bucketed_forward_keeps_the_last_positions_asked_for():
+    """``logits_to_keep=k`` through the bucketed forward: the last k rows of the full result,
+    where k reaches into a short row's padding too."""
+
+    def inner(input_ids, logits_to_keep=0, **kwargs):  # a head that keeps as transformers' does
+        logits = F.one_hot(input_ids, 30).float().cumsum(1)
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+    ids, mask = left_padded(ROWS)
+    full = bucketed_forward(inner, ids, mask).logits
+    assert full.shape[1] == ids.shape[1] and len(set(mask.sum(1).tolist())) > 1
+    for keep in (2, int(mask.sum(1).min()) + 1, ids.shape[1], ids.shape[1] + 3):
+        got = bucketed_forward(inner, ids, mask, logits_to_keep=keep).logits
+        assert torch.equal(got, full[:, -keep:])
 
 
 def test_adapted_model_deep_copies_to_its_own_forward():

@@ -264,6 +264,32 @@ def test_logits_match_the_oracle(family, folders, loaded):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_logits_of_the_last_positions_match_the_oracle_and_skip_the_prompts_head(
+    family, folders, loaded
+):
+    """``last=k`` (a completion's logits): the head runs on k rows (Dream: k + 1, its shift),
+    and they are the oracle's last k, left padding included."""
+    bundle, folder = loaded[family], folders[family]
+    arch, weights = Arch.of(config_of(folder)), read_weights(folder)
+    rows = []
+    hook = bundle.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: rows.append(args[0].shape[1])
+    )
+    ids, mask = left_pad([random_ids(bundle, (1, n), n)[0].tolist() for n in (13, 9)], 0)
+    try:
+        with torch.no_grad():
+            got = forward_logits(bundle.model, ids, mask, last=4).float()
+    finally:
+        hook.remove()
+    assert rows == [4 + (family == "dream")]
+    torch.testing.assert_close(
+        got, oracle_logits(weights, arch, ids, mask)[:, -4:], atol=1e-5, rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="last must be in 1..13"):
+        forward_logits(bundle.model, ids, mask, last=14)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_left_padded_logits_match_the_oracle_and_each_row_alone(family, folders, loaded):
     bundle, folder = loaded[family], folders[family]
     arch, weights = Arch.of(config_of(folder)), read_weights(folder)

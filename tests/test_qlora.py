@@ -40,8 +40,9 @@ SHRUNK = [
     "generation.block_length=8",
     "dps.stride=1",
     "lora.r=8",
-    # μ 1, not the recipe's 12: on a CPU without native bf16 matmul (AVX2 only) the bf16
-    # backward falls back to torch's reference gemm, and 12 updates took 10 min per step.
+    # μ 1, not the recipe's 12: on a CPU without native bf16 matmul (AVX2 only) each bf16
+    # update falls back to torch's reference gemm (2 to 3 s here, 12 of them a step); more
+    # updates per rollout are tested in fp32 (test_trainer, test_lora_resume).
     "num_iterations=1",
 ]
 

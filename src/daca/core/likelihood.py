@@ -82,7 +82,7 @@ def _views_logp(
         comp = torch.where(m, mask_id, completion_ids)
         ids = torch.cat([prompt_ids.expand(c, B, P), comp], dim=2).reshape(c * B, P + L)
         am = None if attn is None else attn.repeat(c, 1)
-        logits = forward_logits(model, ids, am).unflatten(0, (c, B))[:, :, P:]  # [c, B, L, V]
+        logits = forward_logits(model, ids, am, last=L).unflatten(0, (c, B))  # [c, B, L, V]
         # Normalise only the rows we read (1/K of them for SML), in at least float32.
         rows = logits[m]
         rows = rows.to(torch.promote_types(rows.dtype, torch.float32))

@@ -3,6 +3,8 @@
 The model returns either a tensor of logits [B, T, V] or an object with ``.logits``
 (Hugging Face convention). Logits at position i predict the token at position i;
 adapters for families that shift them (Dream) undo the shift before the core sees them.
+Models on transformers' Llama/Qwen2 classes are also passed ``logits_to_keep`` when the core
+reads only the last positions (a completion's); any other model is called as above.
 """
 
 from __future__ import annotations
@@ -11,19 +13,47 @@ import torch
 from torch import Tensor
 
 
-def forward_logits(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """Run one bidirectional forward and return logits [B, T, V]."""
-    if attention_mask is None:
-        out = model(input_ids)
-    else:
-        out = model(input_ids, attention_mask=attention_mask)
+def forward_logits(
+    model, input_ids: Tensor, attention_mask: Tensor | None = None, *, last: int | None = None
+) -> Tensor:
+    """Run one bidirectional forward and return logits [B, T, V], or [B, last, V]: those of
+    the last ``last`` positions only (a completion's). On transformers' Llama and Qwen2 classes
+    (LLaDA, Dream, the tiny models) the head then runs on those positions alone
+    (``logits_to_keep``): with a 126k-token vocabulary it is most of a small model's cost, and
+    the prompt's rows of it are never read."""
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    T = input_ids.shape[1]
+    if last is not None:
+        if not 0 < last <= T:
+            raise ValueError(f"last must be in 1..{T} (the input's length), got {last}")
+        base = causal_lm_backbone(model)
+        if base is not None:  # Dream: the hidden state one earlier gives the first kept row
+            kwargs["logits_to_keep"] = min(last + getattr(base, "logits_shift", 0), T)
+    out = model(input_ids, **kwargs)
     logits = out if isinstance(out, Tensor) else out.logits
-    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+    if last is not None:
+        logits = logits[:, -last:]
+    expected = (input_ids.shape[0], T if last is None else last)
+    if logits.dim() != 3 or logits.shape[:2] != expected:
         raise ValueError(
             f"model returned logits of shape {tuple(logits.shape)} for input "
             f"{tuple(input_ids.shape)}; expected [B, T, V]"
         )
     return logits
+
+
+def causal_lm_backbone(model):
+    """The transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` under ``model`` (DDP's or
+    DeepSpeed's ``.module`` and PEFT looked through), or None. Those classes take
+    ``logits_to_keep`` and a KV cache; calls still go through ``model`` itself."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    base = model
+    while isinstance(getattr(base, "module", None), torch.nn.Module):
+        base = base.module
+    if hasattr(base, "get_base_model"):
+        base = base.get_base_model()
+    return base if isinstance(base, (LlamaForCausalLM, Qwen2ForCausalLM)) else None
 
 
 def full_attention_mask(

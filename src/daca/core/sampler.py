@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from daca.core.modeling import forward_logits, full_attention_mask
+from daca.core.modeling import causal_lm_backbone, forward_logits, full_attention_mask
 from daca.core.options import check_sampler
 
 
@@ -349,13 +349,11 @@ class TraceRecorder:
 
 def _cache_backbone(model, cache: str):
     """The transformers Llama/Qwen2 model under ``model`` (PEFT unwrapped), else a ValueError."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not isinstance(base, (LlamaForCausalLM, Qwen2ForCausalLM)):
+    base = causal_lm_backbone(model)
+    if base is None:
         raise ValueError(
             f"cache={cache!r} needs a model on transformers' Llama or Qwen2 classes (LLaDA, "
-            f"Dream, daca's tiny models via daca.models.load); {type(base).__name__} has no KV "
+            f"Dream, daca's tiny models via daca.models.load); {type(model).__name__} has no KV "
             "cache daca can use: use cache='none'"
         )
     return base
@@ -575,7 +573,8 @@ class _Sampler:
         kind = _forward_kind(cache, i, traced, self.refresh_every, self.trace_refresh)
         inp = x if self.cfg_scale == 0 else torch.cat([x, torch.cat([self.un_prompt, x[:, P:]], 1)])
         if cache is None:
-            logits = forward_logits(self.model, inp, self.attn)[:, P + lo : P + end]
+            last = inp.shape[1] - P - lo
+            logits = forward_logits(self.model, inp, self.attn, last=last)[:, : end - lo]
         elif kind == "full":
             logits = cache.refresh(inp, lo, hi, end)
         elif kind == "suffix":

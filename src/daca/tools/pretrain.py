@@ -89,7 +89,7 @@ def masked_diffusion_loss(
     noisy = torch.where(masked, torch.full_like(target_ids, mask_id), target_ids)
     ids = torch.cat([prompt_ids, noisy], dim=1)
     attn = full_attention_mask(prompt_mask, prompt_ids, length)
-    logits = forward_logits(model, ids, attn)[:, prompt_ids.shape[1] :]
+    logits = forward_logits(model, ids, attn, last=length)
     ce = F.cross_entropy(logits.transpose(1, 2), target_ids, reduction="none")
     return (ce * weight).sum() / (b * length)
 
