@@ -290,6 +290,14 @@ def test_shape_read_off_the_meta_module_equals_a_hand_count(tied):
     per_layer = 2 * 64 + 2 * 32 + 3 * 96 + (8 + 4 + 4) + 2 * d
     assert got.parameters == layers * per_layer + d + head * vocab * d
     assert got.other_parameters == got.parameters - layers * (2 * 64 + 2 * 32 + 3 * 96)
+    # LLaDA and Dream run their head on the completion's rows alone; a masked LM on every row.
+    bert = {
+        "model_type": "modernbert", "hidden_size": d, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "intermediate_size": mlp, "vocab_size": vocab,
+        "pad_token_id": 0,
+    }  # fmt: skip
+    assert shape_from_config(llada).head_on_completion and got.head_on_completion
+    assert not shape_from_config(bert).head_on_completion
 
 
 # ----------------------------------------------------------------------------- 4-bit

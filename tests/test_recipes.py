@@ -109,6 +109,10 @@ def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
     # Gumbel-max over them (4 float64 tensors of their size at its peak).
     candidates = est.rollout["candidates of one block (float64 Gumbel-max)"]
     assert candidates == 6 * 32 * 126464 * (2 + 32)
+    # The head runs on the 256 completion positions only (logits_to_keep), not the 512 of
+    # prompt ++ completion: bf16 logits of 6 sequences, in a rollout step and wd1's one forward.
+    assert est.rollout["rollout logits (one denoising step)"] == 6 * 256 * 126464 * 2
+    assert est.update["logits of the largest stacked forward"] == 6 * 256 * 126464 * 2
     # LoRA's dropout copies of the projections' inputs and rank-r outputs: in the one layer that
     # gradient checkpointing recomputes, 6 hidden- and 1 MLP-sized inputs + 7 r per token.
     undropped = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml", ["lora.dropout=0"]))

@@ -37,7 +37,8 @@ class ModelShape:
 
     parameters: every parameter (a tied head counted once); linears: (in, out) of each linear
     layer inside the transformer layers, in module order: the projections that LoRA adapts and
-    4-bit loading quantises.
+    4-bit loading quantises. head_on_completion: the head runs on the completion's positions
+    only (transformers' Llama/Qwen2 classes take ``logits_to_keep``; daca.core.modeling).
     """
 
     hidden: int
@@ -46,6 +47,7 @@ class ModelShape:
     mlp: int
     parameters: int
     linears: tuple[tuple[int, int], ...]
+    head_on_completion: bool = False
 
     @property
     def linear_parameters(self) -> int:
@@ -115,6 +117,8 @@ def shape_of_module(model) -> ModelShape:
     layer stack (its longest ModuleList) listed."""
     from torch import nn
 
+    from daca.core.modeling import causal_lm_backbone
+
     stack = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
     embedding = model.get_input_embeddings()
     return ModelShape(
@@ -126,6 +130,7 @@ def shape_of_module(model) -> ModelShape:
         linears=tuple(
             (m.in_features, m.out_features) for m in stack.modules() if isinstance(m, nn.Linear)
         ),
+        head_on_completion=causal_lm_backbone(model) is not None,
     )
 
 

@@ -84,13 +84,16 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
         if cfg.beta > 0:
             est.resident["frozen reference copy"] = weights
 
-    # Rollout: each denoising step's logits over the sequence (twice with CFG), the DPS trace.
+    # Logits rows per sequence: the completion's where the head runs on those alone (LLaDA,
+    # Dream: ``logits_to_keep``), else every position's.
+    rows = g.gen_length if shape.head_on_completion else T
+    # Rollout: a block's first step's logits (twice with CFG), the DPS trace.
     cfg_factor = 2 if g.cfg_scale > 0 else 1
-    est.rollout["rollout logits (one denoising step)"] = cfg_factor * b * T * V * act
+    est.rollout["rollout logits (one denoising step)"] = cfg_factor * b * rows * V * act
     if cfg.dps.enabled:
-        rows = dps_trace_rows(g.gen_length, g.steps, g.block_length, cfg.dps.stride, cfg.dps.scope)
+        held = dps_trace_rows(g.gen_length, g.steps, g.block_length, cfg.dps.stride, cfg.dps.scope)
         est.rollout[f"DPS trace (peak, scope {cfg.dps.scope}, s={cfg.dps.stride})"] = (
-            b * rows * (V * act + 4)
+            b * held * (V * act + 4)
         )
     # The candidates of a block's first step, every position masked (daca.core.sampler:
     # _candidates, gumbel_argmax, candidate_confidence): a copy of the block's logits rows, then
@@ -124,7 +127,7 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
     est.update[f"activations ({nodes} forward{'s' * (nodes > 1)})"] = (
         nodes * per_forward + recompute
     )
-    est.update["logits of the largest stacked forward"] = max(nodes, K) * b * T * V * act
+    est.update["logits of the largest stacked forward"] = max(nodes, K) * b * rows * V * act
     est.update["log-softmax rows + gradients (fp32)"] = scored * b * g.gen_length * V * 8
     if K:  # K views, each scoring 1/K of the completion
         est.update[f"SML views (K={K}: activations + rows)"] = (
