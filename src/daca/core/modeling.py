@@ -37,7 +37,7 @@ def forward_logits(
     if logits.dim() != 3 or logits.shape[:2] != expected:
         raise ValueError(
             f"model returned logits of shape {tuple(logits.shape)} for input "
-            f"{tuple(input_ids.shape)}; expected [B, T, V]"
+            f"{tuple(input_ids.shape)}; expected [B, {'T' if last is None else last}, V]"
         )
     return logits
 

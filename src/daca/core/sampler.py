@@ -348,7 +348,7 @@ class TraceRecorder:
 
 
 def _cache_backbone(model, cache: str):
-    """The transformers Llama/Qwen2 model under ``model`` (PEFT unwrapped), else a ValueError."""
+    """``causal_lm_backbone(model)``, else a ValueError naming the cache asked for."""
     base = causal_lm_backbone(model)
     if base is None:
         raise ValueError(
