@@ -183,12 +183,14 @@ def test_bucketed_forward_only_removes_left_padding():
         bucketed_forward(model, ids, attention_mask=torch.tensor([[1, 1, 0, 1]]))
 
 
-def test_bucketed_forward_keeps_the_last_positions_asked_for():
-    """``logits_to_keep=k`` through the bucketed forward: the last k rows of the full result,
-    where k reaches into a short row's padding too."""
+def test_bucketed_forward_keeps_the_positions_asked_for():
+    """``logits_to_keep`` through the bucketed forward: k the last k rows of the full result,
+    a tensor those positions, where they reach into a short row's padding too."""
 
     def inner(input_ids, logits_to_keep=0, **kwargs):  # a head that keeps as transformers' does
         logits = F.one_hot(input_ids, 30).float().cumsum(1)
+        if isinstance(logits_to_keep, torch.Tensor):
+            return logits[:, logits_to_keep]
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     ids, mask = left_padded(ROWS)
@@ -197,6 +199,10 @@ def test_bucketed_forward_keeps_the_last_positions_asked_for():
     for keep in (2, int(mask.sum(1).min()) + 1, ids.shape[1], ids.shape[1] + 3):
         got = bucketed_forward(inner, ids, mask, logits_to_keep=keep).logits
         assert torch.equal(got, full[:, -keep:])
+    for a, b in ((1, 4), (0, 4), (3, 5), (4, 5)):  # pads 2, 0, 0, 4: windows across them
+        positions = torch.arange(a, b)
+        got = bucketed_forward(inner, ids, mask, logits_to_keep=positions).logits
+        assert torch.equal(got, full[:, a:b])
 
 
 def test_adapted_model_deep_copies_to_its_own_forward():

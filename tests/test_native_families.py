@@ -268,7 +268,7 @@ def test_logits_of_the_last_positions_match_the_oracle_and_skip_the_prompts_head
     family, folders, loaded
 ):
     """``last=k`` (a completion's logits): the head runs on k rows (Dream: k + 1, its shift),
-    and they are the oracle's last k, left padding included."""
+    and they are the oracle's last k, left padding included; with ``stop``, those before it."""
     bundle, folder = loaded[family], folders[family]
     arch, weights = Arch.of(config_of(folder)), read_weights(folder)
     rows = []
@@ -279,14 +279,17 @@ def test_logits_of_the_last_positions_match_the_oracle_and_skip_the_prompts_head
     try:
         with torch.no_grad():
             got = forward_logits(bundle.model, ids, mask, last=4).float()
+            block = forward_logits(bundle.model, ids, mask, last=9, stop=8).float()
     finally:
         hook.remove()
-    assert rows == [4 + (family == "dream")]
-    torch.testing.assert_close(
-        got, oracle_logits(weights, arch, ids, mask)[:, -4:], atol=1e-5, rtol=1e-5
-    )
+    assert rows == [4 + (family == "dream"), 4 + (family == "dream")]
+    want = oracle_logits(weights, arch, ids, mask)
+    torch.testing.assert_close(got, want[:, -4:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(block, want[:, 4:8], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="last must be in 1..13"):
         forward_logits(bundle.model, ids, mask, last=14)
+    with pytest.raises(ValueError, match="stop must be in 5..13"):
+        forward_logits(bundle.model, ids, mask, last=9, stop=4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,30 +14,41 @@ from torch import Tensor
 
 
 def forward_logits(
-    model, input_ids: Tensor, attention_mask: Tensor | None = None, *, last: int | None = None
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    last: int | None = None,
+    stop: int | None = None,
 ) -> Tensor:
-    """Run one bidirectional forward and return logits [B, T, V], or [B, last, V]: those of
-    the last ``last`` positions only (a completion's). On transformers' Llama and Qwen2 classes
-    (LLaDA, Dream, the tiny models) the head then runs on those positions alone
-    (``logits_to_keep``): with a 126k-token vocabulary it is most of a small model's cost, and
-    the prompt's rows of it are never read."""
+    """Run one bidirectional forward and return logits [B, T, V], or those of the positions
+    T - ``last`` .. ``stop`` - 1 only (a completion's, or one block of it; ``stop`` defaults to
+    T). On transformers' Llama and Qwen2 classes (LLaDA, Dream, the tiny models) the head then
+    runs on those positions alone (``logits_to_keep``): with a 126k-token vocabulary it is most
+    of a small model's cost, and the other rows are never read."""
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     T = input_ids.shape[1]
-    if last is not None:
-        if not 0 < last <= T:
-            raise ValueError(f"last must be in 1..{T} (the input's length), got {last}")
-        base = causal_lm_backbone(model)
-        if base is not None:  # Dream: the hidden state one earlier gives the first kept row
-            kwargs["logits_to_keep"] = min(last + getattr(base, "logits_shift", 0), T)
+    if last is not None and not 0 < last <= T:
+        raise ValueError(f"last must be in 1..{T} (the input's length), got {last}")
+    first = 0 if last is None else T - last
+    stop = T if stop is None else stop
+    if not first < stop <= T:
+        raise ValueError(f"stop must be in {first + 1}..{T} (after T - last), got {stop}")
+    base = causal_lm_backbone(model) if first > 0 or stop < T else None
+    kept_from = 0  # the position of the first row the model returns
+    if base is not None:  # Dream: the hidden state one earlier gives the first kept row
+        kept_from = max(first - getattr(base, "logits_shift", 0), 0)
+        kwargs["logits_to_keep"] = (  # an int keeps the last rows; a tensor, these positions
+            T - kept_from if stop == T else torch.arange(kept_from, stop, device=input_ids.device)
+        )
     out = model(input_ids, **kwargs)
     logits = out if isinstance(out, Tensor) else out.logits
-    if last is not None:
-        logits = logits[:, -last:]
-    expected = (input_ids.shape[0], T if last is None else last)
+    logits = logits[:, first - kept_from : stop - kept_from]
+    expected = (input_ids.shape[0], stop - first)
     if logits.dim() != 3 or logits.shape[:2] != expected:
         raise ValueError(
             f"model returned logits of shape {tuple(logits.shape)} for input "
-            f"{tuple(input_ids.shape)}; expected [B, {'T' if last is None else last}, V]"
+            f"{tuple(input_ids.shape)}; expected [B, {stop - first}, V] (last={last}, stop={stop})"
         )
     return logits
 

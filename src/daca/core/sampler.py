@@ -574,7 +574,7 @@ class _Sampler:
         inp = x if self.cfg_scale == 0 else torch.cat([x, torch.cat([self.un_prompt, x[:, P:]], 1)])
         if cache is None:
             last = inp.shape[1] - P - lo
-            logits = forward_logits(self.model, inp, self.attn, last=last)[:, : end - lo]
+            logits = forward_logits(self.model, inp, self.attn, last=last, stop=P + end)
         elif kind == "full":
             logits = cache.refresh(inp, lo, hi, end)
         elif kind == "suffix":

@@ -589,11 +589,18 @@ def bucketed_forward(inner, input_ids: Tensor, attention_mask: Tensor | None = N
     pads = T - real.sum(1)
     if not torch.equal(real, torch.arange(T, device=real.device)[None] >= pads[:, None]):
         raise ValueError("bucketed_forward removes left padding only; got another attention mask")
-    keep = kwargs.get("logits_to_keep")  # an int k > 0 asks for the last k positions only
-    rows_out = min(keep, T) if isinstance(keep, int) and keep > 0 else T
+    # ``logits_to_keep``: an int k > 0 asks for the last k positions, a tensor for ascending
+    # positions; a bucket drops its p pad positions, so it is asked for its real ones, shifted.
+    keep = kwargs.get("logits_to_keep")
+    if isinstance(keep, Tensor):
+        rows_out = len(keep)
+    else:
+        rows_out = min(keep, T) if isinstance(keep, int) and keep > 0 else T
     pieces, order = [], []
     for p in pads.unique().tolist():
         rows = (pads == p).nonzero().squeeze(1)
+        if isinstance(keep, Tensor):
+            kwargs["logits_to_keep"] = keep[keep >= p] - p
         logits = _logits(inner(input_ids[rows, p:], **kwargs))
         pieces.append(F.pad(logits, (0, 0, rows_out - logits.shape[1], 0)))
         order.append(rows)
