@@ -111,7 +111,12 @@ def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
     assert candidates == 6 * 32 * 126464 * (2 + 32)
     # The head runs on the 256 completion positions only (logits_to_keep), not the 512 of
     # prompt ++ completion: bf16 logits of 6 sequences, in a rollout step and wd1's one forward.
+    # A rollout step's head runs on the block's rows, to the last block a recorded DPS step
+    # traces: every later block for scope all; the next one for block (16 steps a block, s 4).
     assert est.rollout["rollout logits (one denoising step)"] == 6 * 256 * 126464 * 2
+    for overrides, step_rows in ((["dps.scope=block"], 64), (["dps.enabled=false"], 32)):
+        other = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml", overrides))
+        assert other.rollout["rollout logits (one denoising step)"] == 6 * step_rows * 126464 * 2
     assert est.update["logits of the largest stacked forward"] == 6 * 256 * 126464 * 2
     # LoRA's dropout copies of the projections' inputs and rank-r outputs: in the one layer that
     # gradient checkpointing recomputes, 6 hidden- and 1 MLP-sized inputs + 7 r per token.

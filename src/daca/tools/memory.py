@@ -53,6 +53,20 @@ def dps_trace_rows(gen_length: int, steps: int, block_length: int, stride: int, 
     return block_length * (k + stride + carried - 1) ** 2 / (4 * stride * k)
 
 
+def rollout_logits_rows(g, dps) -> int:
+    """Completion rows whose logits a rollout step keeps at most (``daca.core.sampler``'s
+    ``_logits``): the current block's, and up to the last block a recorded DPS step traces
+    (``TraceRecorder.reach_block``): every later one for scope "all", the blocks that the
+    steps up to the next recorded one reach for "block"."""
+    L, bl = g.gen_length, g.block_length
+    if not dps.enabled:
+        return bl
+    if dps.scope == "all":
+        return L
+    k = g.steps // (L // bl)
+    return min(L, bl * (1 + (k - 1 + dps.stride) // k))
+
+
 def estimate(cfg: TrainConfig) -> MemoryEstimate:
     """The memory estimate for ``cfg`` (raises LookupError for an unknown model)."""
     from daca.models.families import model_shape
@@ -85,11 +99,12 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
             est.resident["frozen reference copy"] = weights
 
     # Logits rows per sequence: the completion's where the head runs on those alone (LLaDA,
-    # Dream: ``logits_to_keep``), else every position's.
+    # Dream: ``logits_to_keep``), else every position's; a rollout step keeps fewer.
     rows = g.gen_length if shape.head_on_completion else T
+    step_rows = rollout_logits_rows(g, cfg.dps) if shape.head_on_completion else T
     # Rollout: a block's first step's logits (twice with CFG), the DPS trace.
     cfg_factor = 2 if g.cfg_scale > 0 else 1
-    est.rollout["rollout logits (one denoising step)"] = cfg_factor * b * rows * V * act
+    est.rollout["rollout logits (one denoising step)"] = cfg_factor * b * step_rows * V * act
     if cfg.dps.enabled:
         held = dps_trace_rows(g.gen_length, g.steps, g.block_length, cfg.dps.stride, cfg.dps.scope)
         est.rollout[f"DPS trace (peak, scope {cfg.dps.scope}, s={cfg.dps.stride})"] = (
