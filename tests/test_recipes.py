@@ -109,10 +109,10 @@ def test_memory_estimate_of_the_gsm8k_recipe_by_hand():
     # Gumbel-max over them (4 float64 tensors of their size at its peak).
     candidates = est.rollout["candidates of one block (float64 Gumbel-max)"]
     assert candidates == 6 * 32 * 126464 * (2 + 32)
-    # The head runs on the 256 completion positions only (logits_to_keep), not the 512 of
-    # prompt ++ completion: bf16 logits of 6 sequences, in a rollout step and wd1's one forward.
-    # A rollout step's head runs on the block's rows, to the last block a recorded DPS step
-    # traces: every later block for scope all; the next one for block (16 steps a block, s 4).
+    # The head runs on the 256 completion positions at most (logits_to_keep), not the 512 of
+    # prompt ++ completion: bf16 logits of 6 sequences. A rollout step keeps the block's rows, to
+    # the last block a recorded DPS step traces: every later block for scope all (256, as wd1's
+    # one forward), the next one for block (16 steps a block, s 4), the block alone without DPS.
     assert est.rollout["rollout logits (one denoising step)"] == 6 * 256 * 126464 * 2
     for overrides, step_rows in ((["dps.scope=block"], 64), (["dps.enabled=false"], 32)):
         other = estimate(load_config(ROOT / "configs/paper/gsm8k.yaml", overrides))

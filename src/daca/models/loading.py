@@ -599,9 +599,8 @@ def bucketed_forward(inner, input_ids: Tensor, attention_mask: Tensor | None = N
     pieces, order = [], []
     for p in pads.unique().tolist():
         rows = (pads == p).nonzero().squeeze(1)
-        if isinstance(keep, Tensor):
-            kwargs["logits_to_keep"] = keep[keep >= p] - p
-        logits = _logits(inner(input_ids[rows, p:], **kwargs))
+        shifted = {"logits_to_keep": keep[keep >= p] - p} if isinstance(keep, Tensor) else {}
+        logits = _logits(inner(input_ids[rows, p:], **(kwargs | shifted)))
         pieces.append(F.pad(logits, (0, 0, rows_out - logits.shape[1], 0)))
         order.append(rows)
     logits = torch.cat(pieces)[torch.argsort(torch.cat(order))]
