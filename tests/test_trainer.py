@@ -73,6 +73,19 @@ def test_methods_train_and_change_parameters(tiny_model_dir, tmp_path, overrides
     assert (tmp_path / "run" / "curves.png").is_file()
 
 
+def test_parallel_decoding_trains_and_logs_the_steps_it_took(tiny_model_dir, tmp_path):
+    """rollout_steps is the budget T without a threshold; at τ = 0 each block of the two is
+    committed whole at its first step, so every completion takes 2 steps of 4 (docs/rollouts.md)."""
+    for name, extra, steps in (
+        ("full", [], 4.0),
+        ("parallel", ["generation.parallel_threshold=0.0"], 2.0),
+    ):
+        Trainer(_cfg(tiny_model_dir, tmp_path, name, "method=wd1", *extra), progress=False).train()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        assert [r["rollout_steps"] for r in rows] == [steps, steps]
+        assert all(v == v for r in rows for v in r.values())  # the DPS trace of T_b = 2 too
+
+
 def test_lambda_zero_reproduces_base_method(tiny_model_dir, tmp_path):
     """DPS with λ = 0 must give exactly the base method's updates (METHOD.md §2)."""
     common = ["method=diffu_grpo", "num_iterations=2"]

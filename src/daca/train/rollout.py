@@ -247,6 +247,8 @@ class RolloutSteps:
             "advantage_abs": adv.abs().mean().item(),
             "reward_errors": errors,
             "prompts_truncated": prompts.truncated // G,
+            # Mean denoising steps a completion took: the budget T, fewer with parallel decoding.
+            "rollout_steps": out.steps_taken.float().mean().item(),
             "time_rollout": t1 - t0,
             "time_reward": t2 - t1,
         }
