@@ -1,11 +1,13 @@
 """What the fast-rollout options change on the shipped tiny models: held-out accuracy and mean
 number of steps at temperature 0 with each option (no cache, the block KV cache, confidence-
-threshold parallel decoding), and the DPS multipliers of the same prompts with and without the
+threshold parallel decoding), the paired difference to no option over the same problems (with
+its 95 % t interval), and the DPS multipliers of the same prompts with and without the
 cache (Spearman rank correlation over tokens, stride 2; recorded steps as full refreshes or as
 suffix refreshes, ``trace_refresh="suffix"``). See docs/rollouts.md.
 
     python benchmarks/bench_rollout_quality.py                # sudoku and countdown, 200 each
     python benchmarks/bench_rollout_quality.py --tasks countdown --limit 50
+    python benchmarks/bench_rollout_quality.py --tasks sudoku-trace countdown-trace   # L 64
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from daca.models.loading import load
 from daca.shipped import tiny_for_task
 from daca.tasks import get_task
 from daca.tasks.rewards import score_completions
+from daca.tools.compare import paired_interval
 from daca.train.config import GenerationConfig
 from daca.train.rollout import rollout
 
@@ -31,6 +34,7 @@ SETTINGS = [
     ("prefix", {"cache": "prefix"}),
     ("none τ0.9", {"parallel_threshold": 0.9}),
     ("dual τ0.9", {"cache": "dual", "parallel_threshold": 0.9}),
+    ("dual τ0.7", {"cache": "dual", "parallel_threshold": 0.7}),
     ("none τ0.5", {"parallel_threshold": 0.5}),
 ]
 
@@ -56,12 +60,16 @@ def measure(name: str, limit: int) -> None:
     columns = {c: [r.get(c) for r in rows] for c in task.columns}
     print(f"{name}: {len(rows)} problems, L {base.gen_length}, {base.steps} steps, "
           f"block {base.block_length}")  # fmt: skip
+    first = None
     for label, options in SETTINGS:
         done = rollout(bundle, task, rows, dataclasses.replace(base, **options), temperature=0.0)
         scores = score_completions(task.score, done.texts, columns, on_error="zero", timeout=30)
         steps = done.rollout.steps_taken.float().mean()
-        print(f"  {label:<11} accuracy {sum(scores) / len(scores):.3f}  mean steps {steps:.2f}  "
-              f"forwards {done.rollout.forwards}")  # fmt: skip
+        first = first or scores
+        diffs = [a - b for a, b in zip(scores, first, strict=True)]
+        delta = f"{sum(diffs) / len(diffs):+.3f} ± {paired_interval(diffs) or 0:.3f}"
+        print(f"  {label:<11} accuracy {sum(scores) / len(scores):.3f} ({delta} vs none, paired)  "
+              f"mean steps {steps:.2f}  forwards {done.rollout.forwards}")  # fmt: skip
     traced = {}
     for label, options in TRACED:
         gen = dataclasses.replace(base, **options)

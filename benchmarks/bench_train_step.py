@@ -1,6 +1,7 @@
 """Trainer step time: wd1 + DPS and wd1 + SML (K=4) against the wd1 base (issue 4, "Speed");
 with ``--setting trace``, the step of the paper's regime in miniature (sudoku-trace, L 64 in
-two blocks of 32, 32 steps, DPS stride 2) with the block KV cache against without (issue 20).
+two blocks of 32, 32 steps, DPS stride 2) with the block KV cache against without, and with
+the cache and parallel decoding at threshold 0.9 against the cache alone (issue 20).
 
 Builds one ``daca.train.trainer.Trainer`` per variant on the shipped tiny model (or, while
 ``src/daca/assets/tiny`` does not exist yet, a random model of the same size) with the tiny
@@ -13,6 +14,7 @@ reward and update (the trainer's time_rollout / time_reward / time_update).
     python benchmarks/bench_train_step.py --quick   # batch 48, 4 rounds (about a minute)
     python benchmarks/bench_train_step.py           # batch 96 (the recipe's), 8 rounds
     python benchmarks/bench_train_step.py --setting trace   # the trace task, cache vs none
+    python benchmarks/bench_train_step.py --setting trace --task countdown-trace
 """
 
 from __future__ import annotations
@@ -33,10 +35,16 @@ VARIANTS = {
 }
 
 
-# The trace setting: the cache on and off, both with the DPS trace of the paper's stride.
+# The trace setting: the cache on and off, both with the DPS trace of the paper's stride, and the
+# cache with confidence-threshold parallel decoding (docs/rollouts.md) on top.
 TRACE_VARIANTS = {
     "wd1+dps": ["dps.enabled=true", "generation.cache=none"],
     "wd1+dps dual": ["dps.enabled=true", "generation.cache=dual"],
+    "wd1+dps dual t0.9": [
+        "dps.enabled=true",
+        "generation.cache=dual",
+        "generation.parallel_threshold=0.9",
+    ],
 }
 
 
@@ -52,10 +60,10 @@ def stand_in_model(folder: Path, task: str) -> Path:
     return save_tiny(folder, model, tok)
 
 
-def settings(setting: str) -> tuple[str, dict, list[str]]:
+def settings(setting: str, task: str | None) -> tuple[str, dict, list[str]]:
     """(task, variants, overrides) of a setting."""
     if setting == "trace":
-        return "sudoku-trace", TRACE_VARIANTS, [
+        return task or "sudoku-trace", TRACE_VARIANTS, [
             "generation.gen_length=64", "generation.steps=32", "generation.block_length=32",
         ]  # fmt: skip
     return "sudoku", VARIANTS, [
@@ -71,11 +79,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--setting", choices=["tiny", "trace"], default="tiny")
     ap.add_argument("--model", help="model folder (default: the task's shipped tiny model)")
+    ap.add_argument("--task", help="with --setting trace: sudoku-trace (default), countdown-trace")
     args = ap.parse_args()
+    if args.task and args.setting != "trace":
+        ap.error("--task goes with --setting trace")
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (4 if args.quick else 8)
     batch = args.batch or (48 if args.quick or args.setting == "trace" else 96)
-    task, variants, lengths = settings(args.setting)
+    task, variants, lengths = settings(args.setting, args.task)
 
     from daca.shipped import tiny_for_task
     from daca.train.config import load_config
@@ -123,20 +134,24 @@ def main() -> None:
     length = next(x for x in lengths if "gen_length" in x).split("=")[1]
     print(f"trainer step on {which}: {task}, wd1, {batch} completions (G=6), L={length},")
     print(f"DPS stride 2, {args.threads} thread(s), median of {rounds} alternated steps")
-    heads = ("step s", "ratio", "rollout", "reward", "update")
-    print(f"{'variant':14s} " + " ".join(f"{h:>8s}" for h in heads))
+    heads = ("step s", "ratio", "rollout", "reward", "update", "T_b")
+    print(f"{'variant':18s} " + " ".join(f"{h:>8s}" for h in heads))
     base = med(names[0], "time_step")
     for n in names:
         step = med(n, "time_step")
         shares = [med(n, f"time_{k}") / step for k in ("rollout", "reward", "update")]
         print(
-            f"{n:14s} {step:8.3f} {step / base:7.3f}x "
+            f"{n:18s} {step:8.3f} {step / base:7.3f}x "
             + " ".join(f"{100 * s:7.1f}%" for s in shares)
+            + f" {med(n, 'rollout_steps'):8.2f}"  # denoising steps a completion took
         )
     if args.setting == "trace":
         step = med("wd1+dps", "time_step") / med("wd1+dps dual", "time_step")
         ro = med("wd1+dps", "time_rollout") / med("wd1+dps dual", "time_rollout")
         print(f"step without the cache / with it (dual): {step:.3f}x; rollout: {ro:.3f}x")
+        step = med("wd1+dps dual", "time_step") / med("wd1+dps dual t0.9", "time_step")
+        ro = med("wd1+dps dual", "time_rollout") / med("wd1+dps dual t0.9", "time_rollout")
+        print(f"step with dual / dual + parallel decoding at 0.9: {step:.3f}x; rollout: {ro:.3f}x")
         return
     # Ratios of the phases the plug-ins touch (DPS: the traced rollout; SML: the update).
     ro = med("wd1+dps", "time_rollout") / med("wd1", "time_rollout")
