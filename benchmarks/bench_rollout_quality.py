@@ -60,13 +60,13 @@ def measure(name: str, limit: int) -> None:
     columns = {c: [r.get(c) for r in rows] for c in task.columns}
     print(f"{name}: {len(rows)} problems, L {base.gen_length}, {base.steps} steps, "
           f"block {base.block_length}")  # fmt: skip
-    first = None
+    reference = None  # the scores of the first setting ("none"), per problem
     for label, options in SETTINGS:
         done = rollout(bundle, task, rows, dataclasses.replace(base, **options), temperature=0.0)
         scores = score_completions(task.score, done.texts, columns, on_error="zero", timeout=30)
         steps = done.rollout.steps_taken.float().mean()
-        first = first or scores
-        diffs = [a - b for a, b in zip(scores, first, strict=True)]
+        reference = scores if reference is None else reference
+        diffs = [a - b for a, b in zip(scores, reference, strict=True)]
         delta = f"{sum(diffs) / len(diffs):+.3f} ± {paired_interval(diffs) or 0:.3f}"
         print(f"  {label:<11} accuracy {sum(scores) / len(scores):.3f} ({delta} vs none, paired)  "
               f"mean steps {steps:.2f}  forwards {done.rollout.forwards}")  # fmt: skip

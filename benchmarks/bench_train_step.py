@@ -146,12 +146,13 @@ def main() -> None:
             + f" {med(n, 'rollout_steps'):8.2f}"  # denoising steps a completion took
         )
     if args.setting == "trace":
-        step = med("wd1+dps", "time_step") / med("wd1+dps dual", "time_step")
-        ro = med("wd1+dps", "time_rollout") / med("wd1+dps dual", "time_rollout")
-        print(f"step without the cache / with it (dual): {step:.3f}x; rollout: {ro:.3f}x")
-        step = med("wd1+dps dual", "time_step") / med("wd1+dps dual t0.9", "time_step")
-        ro = med("wd1+dps dual", "time_rollout") / med("wd1+dps dual t0.9", "time_rollout")
-        print(f"step with dual / dual + parallel decoding at 0.9: {step:.3f}x; rollout: {ro:.3f}x")
+        for label, slow, fast in (
+            ("without the cache / with it (dual)", "wd1+dps", "wd1+dps dual"),
+            ("with dual / dual + parallel decoding at 0.9", "wd1+dps dual", "wd1+dps dual t0.9"),
+        ):
+            step = med(slow, "time_step") / med(fast, "time_step")
+            ro = med(slow, "time_rollout") / med(fast, "time_rollout")
+            print(f"step {label}: {step:.3f}x; rollout: {ro:.3f}x")
         return
     # Ratios of the phases the plug-ins touch (DPS: the traced rollout; SML: the update).
     ro = med("wd1+dps", "time_rollout") / med("wd1", "time_rollout")
