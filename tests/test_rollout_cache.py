@@ -258,30 +258,71 @@ def test_threshold_one_follows_the_schedule_and_zero_commits_a_block_per_step(ll
     )
 
 
-def test_parallel_rows_keep_their_own_clock_and_trace(llada):
-    """Each row's tokens, births (own clock) and trace are those it gets alone."""
-    model, mask_id, V = llada
-    ids, mask = left_padded(V - 1, [4, 6, 2, 5], seed=2)
-    kw = dict(mask_id=mask_id, gen_length=16, steps=16, block_length=8, dps_stride=2)
-    batch = generate(model, ids, mask, parallel_threshold=0.05, **kw)
-    taken = batch.steps_taken
-    assert (taken <= 16).all() and (batch.birth_step < taken[:, None]).all()
-    assert len(set(taken.tolist())) > 1, "the test needs rows of different lengths"
-    for b in range(4):
+def assert_each_row_as_alone(model, ids, mask, batch, **kw):
+    """Each row of ``batch`` (left-padded ``ids``) has the tokens, births (own clock) and trace
+    it gets when generated alone."""
+    for b in range(ids.shape[0]):
         n = int(mask[b].sum())
-        alone = generate(model, ids[b : b + 1, -n:], parallel_threshold=0.05, **kw)
+        alone = generate(model, ids[b : b + 1, -n:], **kw)
         assert torch.equal(alone.completion_ids[0], batch.completion_ids[b])
         assert torch.equal(alone.birth_step[0], batch.birth_step[b])
         R = alone.recorded_steps.numel()
-        assert (int(taken[b]) - 1) // 2 + 1 == R
+        assert (int(batch.steps_taken[b]) - 1) // kw["dps_stride"] + 1 == R
         torch.testing.assert_close(
             alone.progress_logp[0], batch.progress_logp[b, :R], atol=1e-5, rtol=1e-5
         )
         assert batch.progress_logp[b, R:].isnan().all() and not batch.progress_mask[b, R:].any()
         torch.testing.assert_close(alone.last_logp[0], batch.last_logp[b], atol=1e-5, rtol=1e-5)
         assert torch.equal(alone.last_mask[0], batch.last_mask[b])
+
+
+@pytest.mark.parametrize(
+    "fast",
+    [
+        {},
+        dict(cache="prefix"),
+        dict(cache="dual"),
+        dict(cache="dual", trace_refresh="suffix", refresh_every=3),
+        dict(cache="dual", cfg_scale=1.5),
+        dict(cache="dual", family="dream"),
+    ],
+    ids=["none", "prefix", "dual", "dual-suffix", "dual-cfg", "dream-dual"],
+)
+def test_parallel_rows_keep_their_own_clock_and_trace(llada, fast):
+    """Each row's tokens, births (own clock) and trace are those it gets alone, and only the rows
+    still decoding a block run through a forward (a finished row's cache keeps its keys)."""
+    fast = dict(fast)
+    model, mask_id, V = llada if fast.pop("family", "llada") == "llada" else (dream(), 23, 24)
+    ids, mask = left_padded(V - 1, [4, 6, 2, 5], seed=2)
+    kw = dict(mask_id=mask_id, gen_length=16, steps=16, block_length=8, dps_stride=2) | fast
+    batch = generate(model, ids, mask, parallel_threshold=0.05, **kw)
+    taken = batch.steps_taken
+    assert (taken <= 16).all() and (batch.birth_step < taken[:, None]).all()
+    assert len(set(taken.tolist())) > 1, "the test needs rows of different lengths"
+    assert batch.rows_forwarded == int(taken.sum()) < 4 * sum(batch.forwards.values())
+    assert_each_row_as_alone(model, ids, mask, batch, parallel_threshold=0.05, **kw)
     mult = dps.rollout_multipliers(batch, lam=0.5, last_step="measured")
     assert mult.isfinite().all()
+
+
+def test_parallel_rows_on_their_own_clocks_run_the_forward_they_run_alone():
+    """Under parallel decoding rows fall out of step, so at one step some are recorded (a cache
+    refresh) and others not (a block step): each group runs its own forward, and every row's
+    tokens, births and trace are those it gets alone."""
+    model, tok = new_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=3)
+    with torch.no_grad():  # confident enough that rows commit a varying number per step
+        model.lm_head.weight.mul_(20)
+    V, mask_id, bl = len(tok), tok.mask_token_id, 8
+    ids, mask = left_padded(V - 1, [4, 6, 2, 5], seed=0)
+    kw = dict(mask_id=mask_id, gen_length=32, steps=32, block_length=bl, dps_stride=2, cache="dual")
+    batch = generate(model, ids, mask, parallel_threshold=0.25, **kw)
+    births = batch.birth_step.view(4, -1, bl)  # each step commits at least one: steps per block
+    per_block = births.amax(-1) - births.amin(-1) + 1  # [B, blocks]
+    assert torch.equal(per_block.sum(1), batch.steps_taken)
+    batch_steps = int(per_block.amax(0).sum())
+    assert sum(batch.forwards.values()) > batch_steps, "no step split its rows"
+    assert batch.rows_forwarded == int(batch.steps_taken.sum())
+    assert_each_row_as_alone(model, ids, mask, batch, parallel_threshold=0.25, **kw)
 
 
 def test_ragged_deltas_and_normalisation_by_hand():

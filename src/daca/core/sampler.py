@@ -45,6 +45,8 @@ class Rollout:
                     being decoded (each commits at least one), so T_b <= T.
     forwards:       {"full": n, "block": m} (and "suffix" with ``trace_refresh="suffix"``), the
                     forward passes run (docs/rollouts.md).
+    rows_forwarded: the batch rows those forwards ran: B per forward, or under parallel decoding
+                    only the rows still decoding the block (sum of T_b).
     trace_peak_bytes: the most bytes the trace recorder held at once (0 without recording).
     """
 
@@ -60,6 +62,7 @@ class Rollout:
     num_steps: int = 0
     steps_taken: Tensor | None = None
     forwards: dict | None = None
+    rows_forwarded: int = 0
     trace_peak_bytes: int = 0
 
 
@@ -370,6 +373,11 @@ class BlockCache:
     from the first real token of a left-padded row, as the full forward) and a 2-D padding mask
     over [cache, query] in the order the keys are stored (dual: prefix, suffix, block).
 
+    Every call takes ``rows``, the batch rows to run (None: all): under parallel decoding a row
+    that has finished the block takes no step, and rows on their own clocks may need different
+    forwards at one step. A refresh of some rows writes their keys into the cache, whose other
+    rows keep theirs; a block step on some rows runs on a copy of their cache.
+
     Dream's logits at i come from the hidden state at i-1 (``DreamForDiffusionLM`` undoes the
     shift within one forward), so for Dream the query span starts one position earlier and that
     position's key is not cached.
@@ -390,73 +398,114 @@ class BlockCache:
         """The first position a step on block start ``lo`` recomputes (Dream: one earlier)."""
         return self.P + lo - (self.shift if self.P + lo > 0 else 0)
 
-    def _call(self, ids, mask, pos, keep) -> Tensor:
+    def _check_block(self, method: str, lo: int, hi: int) -> int:
+        a = self._query_start(lo)
+        if a != self.a or hi != self.hi:
+            raise RuntimeError(f"BlockCache.{method} called for another block's cache")
+        return a
+
+    def _inputs(self, rows: Tensor | None, start: int):
+        """The padding mask (every column) and the position ids from ``start`` of ``rows``."""
+        mask, pos = self.attn, self.pos[:, start:]
+        if rows is not None and mask is not None:  # pos has one row per batch row with a mask
+            mask, pos = mask[rows], pos[rows]
+        return mask, pos
+
+    def _call(self, cache, ids, mask, pos, keep) -> Tensor:
         pos = pos.to(ids.device).expand(ids.shape[0], -1)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=keep,
         )
         return out.logits
 
-    def refresh(self, inp: Tensor, lo: int, hi: int, end: int) -> Tensor:
-        """Full forward of ``inp`` [B', P+L]; logits of completion positions lo..end-1."""
+    def _rows_of(self, rows: Tensor | None, length: int | None = None):
+        """The cache itself (all rows, cropped to ``length``), or a copy of ``rows``' first
+        ``length`` positions."""
         from transformers import DynamicCache
 
-        a = self._query_start(lo)
-        self.cache = DynamicCache(config=self.base.config)
-        keep = torch.arange(a, self.P + end, device=inp.device)
-        logits = self._call(inp, self.attn, self.pos, keep)[:, self.P + lo - a :]
-        self.a, self.hi = a, hi
-        self._keep_outside_query()
-        return logits
+        if rows is None:
+            if length is not None:
+                self._crop_to(self.cache, length)
+            return self.cache
+        stop = length if length is not None else self.cache.get_seq_length()
+        layers = [
+            (lay.keys[rows, :, :stop], lay.values[rows, :, :stop]) for lay in self.cache.layers
+        ]
+        return DynamicCache(layers, config=self.base.config)
 
-    def _crop_to(self, length: int) -> None:
-        extra = self.cache.get_seq_length() - length
+    def _store(self, cache, rows: Tensor | None) -> None:
+        """Keep the positions outside the query span of ``cache`` as the cache of ``rows``."""
+        cache = self._outside_query(cache)
+        if rows is None:
+            self.cache = cache
+            return
+        for mine, new in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys[rows], mine.values[rows] = new.keys, new.values
+
+    @staticmethod
+    def _crop_to(cache, length: int) -> None:
+        extra = cache.get_seq_length() - length
         if extra > 0:  # transformers' crop takes the number of positions to drop, negated
-            self.cache.crop(-extra)
+            cache.crop(-extra)
 
-    def _keep_outside_query(self) -> None:
-        """From a cache of every position, keep what later block steps do not recompute:
-        the prefix (positions before ``a``), and for ``dual`` the suffix after the block."""
+    def _outside_query(self, cache):
+        """From a cache of every position, what later block steps do not recompute: the prefix
+        (positions before ``a``), and for ``dual`` the suffix after the block."""
         from transformers import DynamicCache
 
         a, cut_from = self.a, self.P + self.hi
         if self.mode == "prefix":
-            self._crop_to(a)
-            return
+            self._crop_to(cache, a)
+            return cache
         cut = lambda t: torch.cat([t[..., :a, :], t[..., cut_from:, :]], dim=-2)  # noqa: E731
-        layers = [(cut(layer.keys), cut(layer.values)) for layer in self.cache.layers]
-        self.cache = DynamicCache(layers, config=self.base.config)
+        layers = [(cut(layer.keys), cut(layer.values)) for layer in cache.layers]
+        return DynamicCache(layers, config=self.base.config)
 
-    def refresh_suffix(self, inp: Tensor, lo: int, hi: int, end: int) -> Tensor:
+    def refresh(self, inp: Tensor, lo: int, hi: int, end: int, rows: Tensor | None = None):
+        """Full forward of ``inp`` [B', P+L] (the batch's ``rows``); logits of completion
+        positions lo..end-1. A refresh of some rows keeps the block of the last full one."""
+        from transformers import DynamicCache
+
+        a = self._query_start(lo)
+        if rows is not None:
+            self._check_block("refresh", lo, hi)
+        cache = DynamicCache(config=self.base.config)
+        keep = torch.arange(a, self.P + end, device=inp.device)
+        mask, pos = self._inputs(rows, 0)
+        logits = self._call(cache, inp, mask, pos, keep)[:, self.P + lo - a :]
+        self.a, self.hi = a, hi
+        self._store(cache, rows)
+        return logits
+
+    def refresh_suffix(self, inp: Tensor, lo: int, hi: int, end: int, rows=None) -> Tensor:
         """A partial refresh (``trace_refresh="suffix"``): the block and everything after it
         recomputed against the cached prompt and earlier blocks (kept from the last full
         refresh); logits of positions lo..end-1. ``dual`` then caches the new suffix keys."""
-        a, P = self._query_start(lo), self.P
-        if a != self.a or hi != self.hi:
-            raise RuntimeError("BlockCache.refresh_suffix called for another block's cache")
-        self._crop_to(a)  # dual: [prefix, suffix] -> prefix; prefix mode holds only the prefix
+        a, P = self._check_block("refresh_suffix", lo, hi), self.P
+        cache = self._rows_of(rows, a)  # dual: [prefix, suffix] -> prefix
         keep = torch.arange(0, P + end - a, device=inp.device)
-        logits = self._call(inp[:, a:], self.attn, self.pos[:, a:], keep)[:, P + lo - a :]
-        self._keep_outside_query()
+        mask, pos = self._inputs(rows, a)
+        logits = self._call(cache, inp[:, a:], mask, pos, keep)[:, P + lo - a :]
+        self._store(cache, rows)
         return logits
 
-    def block(self, inp: Tensor, lo: int, hi: int) -> Tensor:
+    def block(self, inp: Tensor, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         """One block step on the cache of the last refresh: logits of positions lo..hi-1."""
-        a, P = self._query_start(lo), self.P
-        if a != self.a or hi != self.hi:
-            raise RuntimeError("BlockCache.block called for a block other than the refreshed one")
+        a, P = self._check_block("block", lo, hi), self.P
         end = P + hi if self.mode == "dual" else inp.shape[1]
-        mask = self.attn
+        mask, pos = self._inputs(rows, a)
         if mask is not None and self.mode == "dual":
             mask = torch.cat([mask[:, :a], mask[:, P + hi :], mask[:, a : P + hi]], dim=1)
+        cache = self._rows_of(rows)
         keep = torch.arange(0, P + hi - a, device=inp.device)
-        logits = self._call(inp[:, a:end], mask, self.pos[:, a:end], keep)[:, P + lo - a :]
-        self.cache.crop(-(end - a))
+        logits = self._call(cache, inp[:, a:end], mask, pos[:, : end - a], keep)[:, P + lo - a :]
+        if rows is None:  # a copy of some rows is dropped; the cache itself is cropped back
+            cache.crop(-(end - a))
         return logits
 
 
@@ -510,6 +559,7 @@ class _Sampler:
         self.everyone = torch.ones(B, dtype=torch.bool, device=device)
         suffix = {"suffix": 0} if trace_refresh == "suffix" else {}
         self.forwards = {"full": 0, "block": 0} | suffix
+        self.rows_forwarded = 0  # rows run through those forwards (B each without a threshold)
         self.t = 0  # the global step
 
     def run(self) -> Rollout:
@@ -538,7 +588,7 @@ class _Sampler:
         traced = recorded is not None and bool(recorded.any())
         # only the current block's logits decide commits; the trace may need later blocks
         reach = recorder.reach_block(self.t, c) if traced else c
-        logits = self._logits(lo, hi, (reach + 1) * self.bl, i, traced)
+        logits = self._logits(lo, hi, (reach + 1) * self.bl, i, active, recorded)
         open_block = self.masked[:, lo:hi]
         x0, confidence = self._candidates(logits, open_block)
         if self.tau is None:
@@ -566,24 +616,56 @@ class _Sampler:
         self.clock += active.long()
         self.t += 1
 
-    def _logits(self, lo: int, hi: int, end: int, i: int, traced: bool) -> Tensor:
-        """Logits [B, end - lo, V] of completion positions lo..end-1 (guided with cfg_scale > 0),
-        from the forward this step runs (``_forward_kind``)."""
-        x, P, cache = self.x, self.P, self.block_cache
-        kind = _forward_kind(cache, i, traced, self.refresh_every, self.trace_refresh)
-        inp = x if self.cfg_scale == 0 else torch.cat([x, torch.cat([self.un_prompt, x[:, P:]], 1)])
-        if cache is None:
-            last = inp.shape[1] - P - lo
-            logits = forward_logits(self.model, inp, self.attn, last=last, stop=P + end)
-        elif kind == "full":
-            logits = cache.refresh(inp, lo, hi, end)
-        elif kind == "suffix":
-            logits = cache.refresh_suffix(inp, lo, hi, end)
+    def _logits(self, lo, hi, end, i, active, recorded) -> Tensor:
+        """Logits [B, end - lo, V] of completion positions lo..end-1 (guided with cfg_scale > 0).
+
+        Each active row runs the forward it would run alone (``_forward_kind``): under parallel
+        decoding rows keep their own clocks, so at one step some rows are recorded (a refresh,
+        to ``end``) and others not (a block step, to ``hi``); two forwards then run, each on its
+        rows. Rows that are not active (they finished the block) run nothing: their logits are
+        0 and never read, as they have nothing left to commit in the block.
+        """
+        cache, every = self.block_cache, self.refresh_every
+        rec = torch.zeros_like(active) if recorded is None else recorded
+        kind_rec = _forward_kind(cache, i, True, every, self.trace_refresh)
+        kind_plain = _forward_kind(cache, i, False, every, self.trace_refresh)
+        if kind_rec == kind_plain or not bool(rec.any()) or bool(rec.eq(active).all()):
+            kind = kind_rec if bool(rec.any()) else kind_plain
+            groups = [(active, kind, end)]
         else:
-            logits = cache.block(inp, lo, hi)
+            groups = [(rec, kind_rec, end), (active & ~rec, kind_plain, hi)]
+        parts = [(rows, self._forward(rows, kind, lo, hi, w)) for rows, kind, w in groups]
+        if len(parts) == 1 and bool(active.all()):
+            return parts[0][1]
+        first = parts[0][1]
+        out = first.new_zeros(self.B, end - lo, first.shape[-1])
+        for rows, logits in parts:
+            out[rows, : logits.shape[1]] = logits
+        return out
+
+    def _forward(self, rows: Tensor, kind: str, lo: int, hi: int, end: int) -> Tensor:
+        """One forward of ``kind`` on the batch rows ``rows`` [B] bool: logits [rows, end - lo,
+        V] ("block": hi - lo), guided with cfg_scale > 0."""
+        x, P, B, cache = self.x, self.P, self.B, self.block_cache
+        idx = None if bool(rows.all()) else rows.nonzero().squeeze(1)
+        inp = x if self.cfg_scale == 0 else torch.cat([x, torch.cat([self.un_prompt, x[:, P:]], 1)])
+        sel = idx if idx is None or self.cfg_scale == 0 else torch.cat([idx, idx + B])
+        if sel is not None:
+            inp = inp[sel]
+        if cache is None:
+            attn = self.attn if sel is None or self.attn is None else self.attn[sel]
+            logits = forward_logits(self.model, inp, attn, last=inp.shape[1] - P - lo, stop=P + end)
+        elif kind == "full":
+            logits = cache.refresh(inp, lo, hi, end, sel)
+        elif kind == "suffix":
+            logits = cache.refresh_suffix(inp, lo, hi, end, sel)
+        else:
+            logits = cache.block(inp, lo, hi, sel)
         self.forwards[kind] += 1
+        self.rows_forwarded += B if idx is None else idx.numel()
         if self.cfg_scale > 0:
-            logits = guided_logits(logits[: self.B], logits[self.B :], self.cfg_scale)
+            half = logits.shape[0] // 2
+            logits = guided_logits(logits[:half], logits[half:], self.cfg_scale)
         return logits
 
     def _candidates(self, logits: Tensor, open_block: Tensor) -> tuple[Tensor, Tensor]:
@@ -616,6 +698,7 @@ class _Sampler:
             num_steps=self.steps,
             steps_taken=self.clock,
             forwards=self.forwards,
+            rows_forwarded=self.rows_forwarded,
         )
         if recorder is not None:
             recorder.finish(self.clock)
@@ -687,10 +770,11 @@ def generate(
     parallel_threshold=τ: each step commits every masked position of the current block whose
     confidence exceeds τ, at least one and at least what LLaDA's schedule still owes (so no block
     takes more than k steps). Rows finish a block at different steps; the batch moves to the next
-    block when every row has finished it, and a row that has finished waits (no forward of its
-    own is saved, it takes no step). Each row counts its own steps t_b = 0 .. T_b - 1
+    block when every row has finished it, and a row that has finished waits: it takes no step
+    and runs through no forward. Each row counts its own steps t_b = 0 .. T_b - 1
     (``Rollout.steps_taken``): ``birth_step`` and the recorded steps r_j = j*s are on that
-    clock, so a row's trace is the one it would have alone; j >= ceil(T_b / s) is never reached
+    clock, and each row runs the forward it would run alone (recorded rows a refresh, the others
+    a block step), so its trace is the one it would have alone; j >= ceil(T_b / s) is never reached
     (NaN in ``progress_logp``) and `daca.core.dps` leaves such intervals out of the statistics.
     Without parallel_threshold every row takes every step (t_b = t, T_b = T).
     """
