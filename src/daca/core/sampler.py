@@ -629,11 +629,10 @@ class _Sampler:
         rec = torch.zeros_like(active) if recorded is None else recorded
         kind_rec = _forward_kind(cache, i, True, every, self.trace_refresh)
         kind_plain = _forward_kind(cache, i, False, every, self.trace_refresh)
-        if kind_rec == kind_plain or not bool(rec.any()) or bool(rec.eq(active).all()):
-            kind = kind_rec if bool(rec.any()) else kind_plain
-            groups = [(active, kind, end)]
-        else:
-            groups = [(rec, kind_rec, end), (active & ~rec, kind_plain, hi)]
+        groups = [(rec, kind_rec, end), (active & ~rec, kind_plain, hi)]
+        groups = [g for g in groups if bool(g[0].any())]
+        if len(groups) == 2 and kind_rec == kind_plain:  # one forward serves both
+            groups = [(active, kind_rec, end)]
         parts = [(rows, self._forward(rows, kind, lo, hi, w)) for rows, kind, w in groups]
         if len(parts) == 1 and bool(active.all()):
             return parts[0][1]
