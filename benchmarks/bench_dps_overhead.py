@@ -27,9 +27,9 @@ recorder_seconds = [0.0]  # CPU time spent inside the trace recorder (instrument
 _step = sampler.TraceRecorder.step
 
 
-def _timed_step(self, *args):
+def _timed_step(self, **kwargs):
     start = time.process_time()
-    _step(self, *args)
+    _step(self, **kwargs)
     recorder_seconds[0] += time.process_time() - start
 
 

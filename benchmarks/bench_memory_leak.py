@@ -96,10 +96,9 @@ def main() -> int:
             super().__init__(**kw)
             recorders.append(weakref.ref(self))
 
-        def step(self, t, *a, **kw):
-            super().step(t, *a, **kw)
-            if t == self.T - 1:
-                at_end.append((self.held_bytes, len(self.groups)))
+        def finish(self, steps_taken):
+            at_end.append((self.held_bytes, len(self.groups)))  # after the last step
+            super().finish(steps_taken)
 
     sampler.TraceRecorder = Recorder  # generate() looks the class up at each call
     generate = rollout_module.generate  # the training rollout calls it

@@ -1,19 +1,26 @@
 """Rollout time with the block KV cache (docs/rollouts.md), with and without the DPS trace.
 
-A random LLaDA-architecture model (transformers' Llama run bidirectionally through
-``daca.models.native``) generates one completion per prompt with ``cache`` "none", "prefix" and
-"dual", each without and with ``dps_stride`` (scope "all"), and "dual" with the trace's
-``trace_refresh="suffix"`` (a recorded step recomputes only the block and its suffix). Printed
-per variant: the median
-process CPU time of the runs (one thread), its speed-up over "none" without the trace, the
-forwards the sampler ran (full / block) and the cost model's bound on that speed-up: the ratio
-of token-forwards, none's T (P + L) over the variant's sum of query lengths (a full forward
-P + L, a dual block step block_length, a prefix block step or a suffix refresh L - block
-start). Targets of the
-issue at the full size: dual >= 4x, dual with s = 4 >= 2.5x.
+Random LLaDA-architecture models (transformers' Llama run bidirectionally through
+``daca.models.native``) generate one completion per prompt. Default (issue 36): for d 128, 256
+and 512 (4, 4 and 8 layers) at P 64, L 256, T 128, block 32, V 64, ``cache`` "none", "dual" and
+"dual" with the trace at ``dps_stride`` 4 (scope "all"); printed per size: the median process
+CPU time of each (one thread), the speed-up over "none", the cost model's bound on it and the
+fraction of the bound reached (target >= 90 % with the trace), and the share of the traced
+rollout spent inside the model's forwards (the rest is the sampler and the trace).
 
-    python benchmarks/bench_rollout_cache.py            # 8 layers, d 512, V 32k, L 256, T 128
-    python benchmarks/bench_rollout_cache.py --quick    # 4 layers, d 256, V 8k, L 64, T 32
+``--variants``: one size (8 layers, d 512, V 32k, P 128; ``--quick`` smaller), every variant:
+"none", "prefix" and "dual", each without and with ``dps_stride``, and "dual" with
+``trace_refresh="suffix"`` (a recorded step recomputes only the block and its suffix), with the
+forwards the sampler ran (full / block).
+
+The bound is the ratio of token-forwards, none's T (P + L) over the variant's sum of query
+lengths (a full forward P + L, a dual block step block_length, a prefix block step or a suffix
+refresh L - block start): what the cache saves if a forward's cost were its query length.
+
+    python benchmarks/bench_rollout_cache.py                # d 128/256/512, batch 8
+    python benchmarks/bench_rollout_cache.py --batch 1      # the same, one sequence
+    python benchmarks/bench_rollout_cache.py --variants     # 8 layers, d 512, V 32k, every variant
+    python benchmarks/bench_rollout_cache.py --variants --quick   # 4 layers, d 256, V 8k, L 64
 """
 
 import argparse
@@ -25,6 +32,12 @@ import torch
 from daca.core.sampler import generate
 from daca.models.native import LLaDAForDiffusionLM, llama_config
 
+SIZES = {  # issue 36: small models, where per-step overhead would show
+    "d128": dict(layers=4, d=128, heads=4),
+    "d256": dict(layers=4, d=256, heads=4),
+    "d512": dict(layers=8, d=512, heads=8),
+}
+SETTING = dict(vocab=64, L=256, T=128, block=32, prompt=64)
 FULL = dict(layers=8, d=512, heads=8, vocab=32000, L=256, T=128, block=32, prompt=128)
 QUICK = dict(layers=4, d=256, heads=4, vocab=8000, L=64, T=32, block=16, prompt=32)
 
@@ -59,20 +72,67 @@ def cost_bound(P, L, T, bl, stride, mode, trace_refresh="full"):
     return T * (P + L) / total
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (minutes on 2 cores)")
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--stride", type=int, default=4)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    size = QUICK if args.quick else FULL
-    P, L, T, bl = size["prompt"], size["L"], size["T"], size["block"]
-    model = random_llada(size["layers"], size["d"], size["heads"], size["vocab"], P + L)
-    mask_id = size["vocab"] - 1
+def timed(model, prompt, size, mode, stride, trace_refresh="full"):
+    """(process CPU seconds of one rollout, of them inside the model's forwards, the rollout)."""
+    in_model = [0.0]
+    start = []
+    pre = model.register_forward_pre_hook(lambda *_: start.append(time.process_time()))
+    post = model.register_forward_hook(
+        lambda *_: in_model.__setitem__(0, in_model[0] + time.process_time() - start.pop())
+    )
+    t0 = time.process_time()
+    out = generate(
+        model, prompt, mask_id=size["vocab"] - 1, gen_length=size["L"], steps=size["T"],
+        block_length=size["block"], cache=mode, dps_stride=stride, trace_refresh=trace_refresh,
+    )  # fmt: skip
+    seconds = time.process_time() - t0
+    pre.remove()
+    post.remove()
+    return seconds, in_model[0], out
+
+
+def prompts(size, batch):
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, mask_id, (args.batch, P), generator=g)
+    return torch.randint(0, size["vocab"] - 1, (batch, size["prompt"]), generator=g)
+
+
+def bound_of(size, mode, stride, trace_refresh="full"):
+    P, L, T, bl = size["prompt"], size["L"], size["T"], size["block"]
+    return cost_bound(P, L, T, bl, stride, mode, trace_refresh)
+
+
+def by_size(args):
+    """The default table: none, dual and dual with the trace at each of ``SIZES``."""
+    print(
+        f"random LLaDA, {SETTING}, batch {args.batch}, one thread, median of {args.repeats}, "
+        f"trace stride {args.stride}"
+    )
+    head = f"{'size':<6}{'none s':>8}{'dual s':>8}{'speed-up':>10}{'bound':>7}{'frac':>6}"
+    print(head + f"{'dual+trace s':>14}{'speed-up':>10}{'bound':>7}{'frac':>6}{'in model':>10}")
+    variants = [("none", None), ("dual", None), ("dual", args.stride)]
+    for name, arch in SIZES.items():
+        size = SETTING | arch
+        model = random_llada(**arch, vocab=size["vocab"], positions=size["prompt"] + size["L"])
+        prompt = prompts(size, args.batch)
+        runs = {v: [timed(model, prompt, size, *v) for _ in range(args.repeats)] for v in variants}
+        median = {v: statistics.median(r[0] for r in runs[v]) for v in variants}
+        base = median[("none", None)]
+        row = f"{name:<6}{base:>8.1f}"
+        for v in variants[1:]:
+            bound = bound_of(size, *v)
+            up = base / median[v]
+            row += f"{median[v]:>{8 if v[1] is None else 14}.1f}{up:>9.2f}x{bound:>6.2f}x"
+            row += f"{up / bound:>6.0%}"
+        in_model = statistics.median(r[1] / r[0] for r in runs[variants[2]])
+        print(row + f"{in_model:>10.0%}", flush=True)
+
+
+def every_variant(args):
+    """The ``--variants`` table: every cache mode with and without the trace, one size."""
+    size = QUICK if args.quick else FULL
+    model = random_llada(size["layers"], size["d"], size["heads"], size["vocab"],
+                         size["prompt"] + size["L"])  # fmt: skip
+    prompt = prompts(size, args.batch)
     print(f"random LLaDA {size}, batch {args.batch}, one thread, median of {args.repeats}")
     variants = [(m, s, "full") for m in ("none", "prefix", "dual") for s in (None, args.stride)]
     variants.append(("dual", args.stride, "suffix"))
@@ -80,13 +140,8 @@ def main():
     forwards = {}
     for _ in range(args.repeats):
         for v in variants:
-            mode, stride, trace_refresh = v
-            t0 = time.process_time()
-            out = generate(
-                model, prompt, mask_id=mask_id, gen_length=L, steps=T, block_length=bl,
-                cache=mode, dps_stride=stride, trace_refresh=trace_refresh,
-            )  # fmt: skip
-            times[v].append(time.process_time() - t0)
+            seconds, _, out = timed(model, prompt, size, *v)
+            times[v].append(seconds)
             forwards[v] = out.forwards
     base = statistics.median(times[("none", None, "full")])
     print(f"{'variant':<22}{'CPU s':>8}{'speed-up':>10}{'bound':>8}  forwards")
@@ -95,8 +150,25 @@ def main():
         t = statistics.median(times[v])
         name = f"{mode}" + (f", s={stride}" if stride else "")
         name += ", suffix" if trace_refresh == "suffix" else ""
-        bound = cost_bound(P, L, T, bl, stride, mode, trace_refresh)
+        bound = bound_of(size, *v)
         print(f"{name:<22}{t:>8.1f}{base / t:>9.2f}x{bound:>7.2f}x  {forwards[v]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--variants", action="store_true", help="every variant at one size")
+    ap.add_argument("--quick", action="store_true", help="with --variants: smaller sizes")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=None, help="sequences (default 8; --variants 1)")
+    ap.add_argument("--stride", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.variants:
+        args.batch = args.batch or 1
+        every_variant(args)
+    else:
+        args.batch = args.batch or 8
+        by_size(args)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,9 @@ class CountingRecorder(sampler.TraceRecorder):
         self.peak_rows = 0
         CountingRecorder.latest = self
 
-    def step(self, *args):
-        super().step(*args)
-        rows = sum(g.rows.shape[0] for groups in self.groups.values() for g in groups)
-        self.peak_rows = max(self.peak_rows, rows)
+    def step(self, **kwargs):
+        super().step(**kwargs)
+        self.peak_rows = max(self.peak_rows, self.held_rows)
 
 
 sampler.TraceRecorder = CountingRecorder  # generate() builds its recorder from this name

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from conftest import random_mlm
 
 from daca import dps
-from daca.core.sampler import BlockCache, generate
+from daca.core.block_cache import BlockCache
+from daca.core.sampler import generate
 from daca.models.native import DreamForDiffusionLM, qwen2_config
 from daca.models.tiny import new_tiny
 

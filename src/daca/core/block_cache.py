@@ -1,0 +1,169 @@
+"""The block KV cache of faster rollouts (docs/rollouts.md, a daca decision) over transformers'
+``DynamicCache``: a full forward refreshes it, the steps between run the current block (and,
+for ``prefix``, its suffix) against the cached keys and values."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from daca.core.modeling import causal_lm_backbone
+
+
+def _cache_backbone(model, cache: str):
+    """``causal_lm_backbone(model)``, else a ValueError naming the cache asked for."""
+    base = causal_lm_backbone(model)
+    if base is None:
+        raise ValueError(
+            f"cache={cache!r} needs a model on transformers' Llama or Qwen2 classes (LLaDA, "
+            f"Dream, daca's tiny models via daca.models.load); {type(model).__name__} has no KV "
+            "cache daca can use: use cache='none'"
+        )
+    return base
+
+
+class BlockCache:
+    """A block KV cache over transformers' ``DynamicCache`` (docs/rollouts.md).
+
+    ``refresh`` runs one full forward over prompt ++ completion and keeps the keys/values of the
+    positions outside the query span of later steps: ``prefix`` keeps the prompt and the earlier
+    blocks (later steps recompute the block and everything after it); ``dual`` keeps the masked
+    suffix too (later steps run only the block). ``block`` runs one such step and crops the cache
+    back. Keys are cached after RoPE, so every forward passes explicit ``position_ids`` (counted
+    from the first real token of a left-padded row, as the full forward) and a 2-D padding mask
+    over [cache, query] in the order the keys are stored (dual: prefix, suffix, block).
+
+    Every call takes ``rows``, the batch rows to run (None: all): under parallel decoding a row
+    that has finished the block takes no step, and rows on their own clocks may need different
+    forwards at one step. A refresh of some rows writes their keys into the cache, whose other
+    rows keep theirs; a block step on some rows runs on a copy of their cache.
+
+    Dream's logits at i come from the hidden state at i-1 (``DreamForDiffusionLM`` undoes the
+    shift within one forward), so for Dream the query span starts one position earlier and that
+    position's key is not cached.
+    """
+
+    def __init__(self, model, mode: str, attn: Tensor | None, prompt_length: int, total: int):
+        self.base = _cache_backbone(model, mode)
+        self.model, self.mode, self.P = model, mode, prompt_length
+        self.shift = getattr(self.base, "logits_shift", 0)  # Dream's 1 (daca.models.native)
+        self.attn = attn
+        if attn is None:
+            self.pos = torch.arange(total)[None]
+        else:
+            self.pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
+        self.cache = None
+
+    def _query_start(self, lo: int) -> int:
+        """The first position a step on block start ``lo`` recomputes (Dream: one earlier)."""
+        return self.P + lo - (self.shift if self.P + lo > 0 else 0)
+
+    def _check_block(self, method: str, lo: int, hi: int) -> int:
+        a = self._query_start(lo)
+        if a != self.a or hi != self.hi:
+            raise RuntimeError(f"BlockCache.{method} called for another block's cache")
+        return a
+
+    def _inputs(self, rows: Tensor | None, start: int):
+        """The padding mask (every column) and the position ids from ``start`` of ``rows``."""
+        mask, pos = self.attn, self.pos[:, start:]
+        if rows is not None and mask is not None:  # pos has one row per batch row with a mask
+            mask, pos = mask[rows], pos[rows]
+        return mask, pos
+
+    def _call(self, cache, ids, mask, pos, keep) -> Tensor:
+        pos = pos.to(ids.device).expand(ids.shape[0], -1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits
+
+    def _rows_of(self, rows: Tensor | None, length: int | None = None):
+        """The cache itself (all rows, cropped to ``length``), or a copy of ``rows``' first
+        ``length`` positions."""
+        from transformers import DynamicCache
+
+        if rows is None:
+            if length is not None:
+                self._crop_to(self.cache, length)
+            return self.cache
+        stop = length if length is not None else self.cache.get_seq_length()
+        layers = [
+            (lay.keys[rows, :, :stop], lay.values[rows, :, :stop]) for lay in self.cache.layers
+        ]
+        return DynamicCache(layers, config=self.base.config)
+
+    def _store(self, cache, rows: Tensor | None) -> None:
+        """Keep the positions outside the query span of ``cache`` as the cache of ``rows``."""
+        cache = self._outside_query(cache)
+        if rows is None:
+            self.cache = cache
+            return
+        for mine, new in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys[rows], mine.values[rows] = new.keys, new.values
+
+    @staticmethod
+    def _crop_to(cache, length: int) -> None:
+        extra = cache.get_seq_length() - length
+        if extra > 0:  # transformers' crop takes the number of positions to drop, negated
+            cache.crop(-extra)
+
+    def _outside_query(self, cache):
+        """From a cache of every position, what later block steps do not recompute: the prefix
+        (positions before ``a``), and for ``dual`` the suffix after the block."""
+        from transformers import DynamicCache
+
+        a, cut_from = self.a, self.P + self.hi
+        if self.mode == "prefix":
+            self._crop_to(cache, a)
+            return cache
+        cut = lambda t: torch.cat([t[..., :a, :], t[..., cut_from:, :]], dim=-2)  # noqa: E731
+        layers = [(cut(layer.keys), cut(layer.values)) for layer in cache.layers]
+        return DynamicCache(layers, config=self.base.config)
+
+    def refresh(self, inp: Tensor, lo: int, hi: int, end: int, rows: Tensor | None = None):
+        """Full forward of ``inp`` [B', P+L] (the batch's ``rows``); logits of completion
+        positions lo..end-1. A refresh of some rows keeps the block of the last full one."""
+        from transformers import DynamicCache
+
+        a = self._query_start(lo)
+        if rows is not None:
+            self._check_block("refresh", lo, hi)
+        cache = DynamicCache(config=self.base.config)
+        keep = torch.arange(a, self.P + end, device=inp.device)
+        mask, pos = self._inputs(rows, 0)
+        logits = self._call(cache, inp, mask, pos, keep)[:, self.P + lo - a :]
+        self.a, self.hi = a, hi
+        self._store(cache, rows)
+        return logits
+
+    def refresh_suffix(self, inp: Tensor, lo: int, hi: int, end: int, rows=None) -> Tensor:
+        """A partial refresh (``trace_refresh="suffix"``): the block and everything after it
+        recomputed against the cached prompt and earlier blocks (kept from the last full
+        refresh); logits of positions lo..end-1. ``dual`` then caches the new suffix keys."""
+        a, P = self._check_block("refresh_suffix", lo, hi), self.P
+        cache = self._rows_of(rows, a)  # dual: [prefix, suffix] -> prefix
+        keep = torch.arange(0, P + end - a, device=inp.device)
+        mask, pos = self._inputs(rows, a)
+        logits = self._call(cache, inp[:, a:], mask, pos, keep)[:, P + lo - a :]
+        self._store(cache, rows)
+        return logits
+
+    def block(self, inp: Tensor, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
+        """One block step on the cache of the last refresh: logits of positions lo..hi-1."""
+        a, P = self._check_block("block", lo, hi), self.P
+        end = P + hi if self.mode == "dual" else inp.shape[1]
+        mask, pos = self._inputs(rows, a)
+        if mask is not None and self.mode == "dual":
+            mask = torch.cat([mask[:, :a], mask[:, P + hi :], mask[:, a : P + hi]], dim=1)
+        cache = self._rows_of(rows)
+        keep = torch.arange(0, P + hi - a, device=inp.device)
+        logits = self._call(cache, inp[:, a:end], mask, pos[:, : end - a], keep)[:, P + lo - a :]
+        if rows is None:  # a copy of some rows is dropped; the cache itself is cropped back
+            cache.crop(-(end - a))
+        return logits
