@@ -114,7 +114,10 @@ def by_size(args):
         size = SETTING | arch
         model = random_llada(**arch, vocab=size["vocab"], positions=size["prompt"] + size["L"])
         prompt = prompts(size, args.batch)
-        runs = {v: [timed(model, prompt, size, *v) for _ in range(args.repeats)] for v in variants}
+        runs = {v: [] for v in variants}
+        for _ in range(args.repeats):  # interleaved, so that a busy spell hits every variant
+            for v in variants:
+                runs[v].append(timed(model, prompt, size, *v))
         median = {v: statistics.median(r[0] for r in runs[v]) for v in variants}
         base = median[("none", None)]
         row = f"{name:<6}{base:>8.1f}"

@@ -83,6 +83,35 @@ def test_cached_block_step_equals_the_full_forward(llada, mode, family):
                 torch.testing.assert_close(step, full[:, P + lo : P + hi], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_block_step_leaves_the_cache_as_the_refresh_left_it(llada, mode, family):
+    """A block step writes its keys into the cache's slot for the block, never into what the
+    refresh cached: after steps on other tokens, of all rows and of some, a step on x gives
+    bit for bit what a fresh cache's first step on x gives."""
+    model, mask_id, V = llada if family == "llada" else (dream(), 23, 24)
+    x, attn, P, L, bl, g = partly_committed(V, mask_id)
+    lo, hi = bl, 2 * bl
+    other = x.clone()
+    other[:, P + lo : P + hi] = torch.randint(4, V - 1, (3, bl), generator=g)
+    with torch.no_grad():
+        fresh = BlockCache(model, mode, attn, P, P + L)
+        fresh.refresh(x, lo, hi, L)
+        expected = fresh.block(x, lo, hi)
+        used = BlockCache(model, mode, attn, P, P + L)
+        used.refresh(x, lo, hi, L)
+        kept = [(lay.keys[..., : lay.cached, :].clone(), lay.values[..., : lay.cached, :].clone())
+                for lay in used.cache.layers]  # fmt: skip
+        used.block(other, lo, hi)
+        rows = torch.tensor([0, 2])
+        part = used.block(other[rows], lo, hi, rows)
+        assert torch.equal(part, used.block(other, lo, hi)[rows])
+        assert torch.equal(used.block(x, lo, hi), expected)
+        for lay, (keys, values) in zip(used.cache.layers, kept, strict=True):
+            assert torch.equal(lay.keys[..., : lay.cached, :], keys)
+            assert torch.equal(lay.values[..., : lay.cached, :], values)
+
+
 @pytest.mark.parametrize("cfg_scale", [0.0, 1.0])
 def test_dual_refreshed_every_step_equals_none(llada, cfg_scale):
     model, mask_id, V = llada

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import DynamicLayer
 
 from daca.core.modeling import causal_lm_backbone
 
@@ -20,6 +21,33 @@ def _cache_backbone(model, cache: str):
             "cache daca can use: use cache='none'"
         )
     return base
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's cached keys and values [B, H, n + q, D]: the first n (``cached``) kept from
+    the last refresh, then a slot for the q positions a block step recomputes. The step writes
+    its keys into the slot and attends to the whole buffer, so no step copies the cache (a
+    transformers ``DynamicLayer`` would concatenate it with the new keys, then be cropped)."""
+
+    def __init__(self, keys: Tensor, values: Tensor, cached: int):
+        super().__init__()
+        self.keys, self.values, self.cached = keys, values, cached
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        n = self.cached
+        if n + key_states.shape[-2] != self.keys.shape[-2]:
+            raise RuntimeError("a block step's queries do not fill the cache's slot")
+        self.keys[..., n:, :] = key_states
+        self.values[..., n:, :] = value_states
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.cached
+
+    def rows(self, rows: Tensor) -> _SlotLayer:
+        """A copy of the batch rows ``rows``."""
+        return _SlotLayer(self.keys[rows], self.values[rows], self.cached)
 
 
 class BlockCache:
@@ -84,19 +112,17 @@ class BlockCache:
         return out.logits
 
     def _rows_of(self, rows: Tensor | None, length: int | None = None):
-        """The cache itself (all rows, cropped to ``length``), or a copy of ``rows``' first
-        ``length`` positions."""
-        from transformers import DynamicCache
+        """The cache itself (all rows), or a copy of ``rows``' cache; with ``length``, a growing
+        cache of the first ``length`` positions (a suffix refresh appends to it)."""
+        from transformers import Cache, DynamicCache
 
+        if length is not None:
+            at = slice(None) if rows is None else rows
+            layers = [(k.keys[at, :, :length], k.values[at, :, :length]) for k in self.cache.layers]
+            return DynamicCache(layers, config=self.base.config)
         if rows is None:
-            if length is not None:
-                self._crop_to(self.cache, length)
             return self.cache
-        stop = length if length is not None else self.cache.get_seq_length()
-        layers = [
-            (lay.keys[rows, :, :stop], lay.values[rows, :, :stop]) for lay in self.cache.layers
-        ]
-        return DynamicCache(layers, config=self.base.config)
+        return Cache(layers=[lay.rows(rows) for lay in self.cache.layers])
 
     def _store(self, cache, rows: Tensor | None) -> None:
         """Keep the positions outside the query span of ``cache`` as the cache of ``rows``."""
@@ -107,24 +133,24 @@ class BlockCache:
         for mine, new in zip(self.cache.layers, cache.layers, strict=True):
             mine.keys[rows], mine.values[rows] = new.keys, new.values
 
-    @staticmethod
-    def _crop_to(cache, length: int) -> None:
-        extra = cache.get_seq_length() - length
-        if extra > 0:  # transformers' crop takes the number of positions to drop, negated
-            cache.crop(-extra)
-
     def _outside_query(self, cache):
-        """From a cache of every position, what later block steps do not recompute: the prefix
-        (positions before ``a``), and for ``dual`` the suffix after the block."""
-        from transformers import DynamicCache
+        """From a cache of every position (in order), the one later block steps run on: the
+        positions they do not recompute (the prefix before ``a``, and for ``dual`` the suffix
+        after the block) then a slot for the positions they do (``_SlotLayer``)."""
+        from transformers import Cache
 
         a, cut_from = self.a, self.P + self.hi
-        if self.mode == "prefix":
-            self._crop_to(cache, a)
-            return cache
-        cut = lambda t: torch.cat([t[..., :a, :], t[..., cut_from:, :]], dim=-2)  # noqa: E731
-        layers = [(cut(layer.keys), cut(layer.values)) for layer in cache.layers]
-        return DynamicCache(layers, config=self.base.config)
+        if self.mode == "prefix":  # [prefix | block and suffix]: already in that order
+            order = lambda t: t  # noqa: E731
+        else:  # [prefix | suffix | block]
+            order = (
+                lambda t: torch.cat(  # noqa: E731
+                    [t[..., :a, :], t[..., cut_from:, :], t[..., a:cut_from, :]], dim=-2
+                )
+            )
+        cached = a if self.mode == "prefix" else a + cache.get_seq_length() - cut_from
+        layers = [_SlotLayer(order(lay.keys), order(lay.values), cached) for lay in cache.layers]
+        return Cache(layers=layers)
 
     def refresh(self, inp: Tensor, lo: int, hi: int, end: int, rows: Tensor | None = None):
         """Full forward of ``inp`` [B', P+L] (the batch's ``rows``); logits of completion
@@ -163,7 +189,4 @@ class BlockCache:
             mask = torch.cat([mask[:, :a], mask[:, P + hi :], mask[:, a : P + hi]], dim=1)
         cache = self._rows_of(rows)
         keep = torch.arange(0, P + hi - a, device=inp.device)
-        logits = self._call(cache, inp[:, a:end], mask, pos[:, : end - a], keep)[:, P + lo - a :]
-        if rows is None:  # a copy of some rows is dropped; the cache itself is cropped back
-            cache.crop(-(end - a))
-        return logits
+        return self._call(cache, inp[:, a:end], mask, pos[:, : end - a], keep)[:, P + lo - a :]
