@@ -104,15 +104,15 @@ def profile(name: str, batch: int, stride: int) -> None:
     size = SETTING | SIZES[name]
     model = random_llada(**SIZES[name], vocab=size["vocab"], positions=size["prompt"] + size["L"])
     prompt = prompts(size, batch)
-    run = lambda: generate(  # noqa: E731
-        model, prompt, mask_id=size["vocab"] - 1, gen_length=size["L"], steps=size["T"],
+    run = lambda L, T: generate(  # noqa: E731
+        model, prompt, mask_id=size["vocab"] - 1, gen_length=L, steps=T,
         block_length=size["block"], cache="dual", dps_stride=stride,
     )  # fmt: skip
-    run()  # warm-up
+    run(size["block"], size["T"] * size["block"] // size["L"])  # warm-up: one block
     clock = Clock()
     with instrumented(model, clock):
         t0 = time.process_time()
-        run()
+        run(size["L"], size["T"])
         total = time.process_time() - t0
     seconds = clock.seconds
     seconds["model, rest"] += seconds.pop("model")

@@ -1,6 +1,6 @@
 """The block KV cache of faster rollouts (docs/rollouts.md, a daca decision) over transformers'
-``DynamicCache``: a full forward refreshes it, the steps between run the current block (and,
-for ``prefix``, its suffix) against the cached keys and values."""
+cache classes: a full forward refreshes it, the steps between run the current block (and, for
+``prefix``, its suffix) against the cached keys and values."""
 
 from __future__ import annotations
 
@@ -51,15 +51,16 @@ class _SlotLayer(DynamicLayer):
 
 
 class BlockCache:
-    """A block KV cache over transformers' ``DynamicCache`` (docs/rollouts.md).
+    """A block KV cache over transformers' cache classes (docs/rollouts.md).
 
     ``refresh`` runs one full forward over prompt ++ completion and keeps the keys/values of the
     positions outside the query span of later steps: ``prefix`` keeps the prompt and the earlier
     blocks (later steps recompute the block and everything after it); ``dual`` keeps the masked
-    suffix too (later steps run only the block). ``block`` runs one such step and crops the cache
-    back. Keys are cached after RoPE, so every forward passes explicit ``position_ids`` (counted
-    from the first real token of a left-padded row, as the full forward) and a 2-D padding mask
-    over [cache, query] in the order the keys are stored (dual: prefix, suffix, block).
+    suffix too (later steps run only the block). ``block`` runs one such step, its keys written
+    into the cache's slot for the block (``_SlotLayer``). Keys are cached after RoPE, so every
+    forward passes explicit ``position_ids`` (counted from the first real token of a left-padded
+    row, as the full forward) and a 2-D padding mask over [cache, query] in the order the keys
+    are stored (dual: prefix, suffix, block).
 
     Every call takes ``rows``, the batch rows to run (None: all): under parallel decoding a row
     that has finished the block takes no step, and rows on their own clocks may need different
@@ -140,14 +141,12 @@ class BlockCache:
         from transformers import Cache
 
         a, cut_from = self.a, self.P + self.hi
-        if self.mode == "prefix":  # [prefix | block and suffix]: already in that order
-            order = lambda t: t  # noqa: E731
-        else:  # [prefix | suffix | block]
-            order = (
-                lambda t: torch.cat(  # noqa: E731
-                    [t[..., :a, :], t[..., cut_from:, :], t[..., a:cut_from, :]], dim=-2
-                )
-            )
+
+        def order(t: Tensor) -> Tensor:
+            if self.mode == "prefix":  # [prefix | block and suffix]: already in that order
+                return t
+            return torch.cat([t[..., :a, :], t[..., cut_from:, :], t[..., a:cut_from, :]], dim=-2)
+
         cached = a if self.mode == "prefix" else a + cache.get_seq_length() - cut_from
         layers = [_SlotLayer(order(lay.keys), order(lay.values), cached) for lay in cache.layers]
         return Cache(layers=layers)

@@ -2,9 +2,10 @@
 
 METHOD.md §1 (the sampler) and the recording half of §2 (DPS): the trace is read off the logits
 the sampler computes anyway, so recording costs no extra forward pass, only the memory of the
-log-probability rows it must hold until the tokens they score are known (see `TraceRecorder`).
-Faster rollouts (docs/rollouts.md, a daca decision): a block KV cache (`BlockCache`, transformers'
-`DynamicCache`) refreshed at every recorded step, and confidence-threshold parallel decoding.
+log-probability rows it must hold until the tokens they score are known (``daca.core.trace``).
+Faster rollouts (docs/rollouts.md, a daca decision): a block KV cache (``daca.core.block_cache``,
+over transformers' cache classes) refreshed at every recorded step, and confidence-threshold
+parallel decoding.
 
 Notation (METHOD.md §1): steps t = 0 .. T-1, x_t the input of step t, M_t the completion positions
 masked in x_t, birth(n) the step that commits position n, x*_n the final token at n.

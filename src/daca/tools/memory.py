@@ -42,7 +42,7 @@ class MemoryEstimate:
 
 
 def dps_trace_rows(gen_length: int, steps: int, block_length: int, stride: int, scope: str):
-    """Peak held log-probability rows per sequence (``daca.core.sampler.TraceRecorder``):
+    """Peak held log-probability rows per sequence (``daca.core.trace.TraceRecorder``):
     "all": L (T + s − 1)² / (4 s T); "block": b (k + s − 1)² / (4 s k) with k = T / (L / b) for
     one block, b (k + 2s − 1)² / (4 s k) for several (each block also holds the rows that the
     previous block's last recorded step kept for it, docs/rollouts.md)."""
