@@ -110,7 +110,8 @@ def by_size(args):
     head = f"{'size':<6}{'none s':>8}{'dual s':>8}{'speed-up':>10}{'bound':>7}{'frac':>6}"
     print(head + f"{'dual+trace s':>14}{'speed-up':>10}{'bound':>7}{'frac':>6}{'in model':>10}")
     variants = [("none", None), ("dual", None), ("dual", args.stride)]
-    for name, arch in SIZES.items():
+    for name in args.sizes:
+        arch = SIZES[name]
         size = SETTING | arch
         model = random_llada(**arch, vocab=size["vocab"], positions=size["prompt"] + size["L"])
         prompt = prompts(size, args.batch)
@@ -164,6 +165,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--batch", type=int, default=None, help="sequences (default 8; --variants 1)")
     ap.add_argument("--stride", type=int, default=4)
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.variants:

@@ -12,8 +12,9 @@ random LLaDA models of ``bench_rollout_cache.py`` (d 128, 256, 512; P 64, L 256,
 - candidates: Gumbel noise and the float64 softmax of the masked block positions, the top-k;
 - sampler: the rest of each step (Python, commits, births).
 
-Printed: ms per step of each part and its share; the timers themselves add a little to
-"model, rest" (a hook per linear layer).
+Printed: ms per step of each part and its share (the timers themselves add a little to
+"model, rest": a hook per linear layer), and a refresh's time over a dual block step's, which
+the cost model takes to be (P + L) / block = 10.
 
     python benchmarks/profile_rollout_step.py              # batch 1 and 8
     python benchmarks/profile_rollout_step.py --batch 8
@@ -118,7 +119,28 @@ def profile(name: str, batch: int, stride: int) -> None:
     seconds["model, rest"] += seconds.pop("model")
     per_step = 1e3 / size["T"]
     cells = "".join(f"{seconds[p] * per_step:>8.2f} {seconds[p] / total:>4.0%}" for p in PARTS)
-    print(f"{name:<6}{batch:>6}{total * per_step:>9.2f}{cells}", flush=True)
+    ratio = forward_ratio(model, size, prompt)
+    print(f"{name:<6}{batch:>6}{total * per_step:>9.2f}{cells}{ratio:>12.1f}", flush=True)
+
+
+def forward_ratio(model, size, prompt, repeats=5) -> float:
+    """A refresh's time over a dual block step's (the cost model takes (P + L) / block)."""
+    P, L, bl = size["prompt"], size["L"], size["block"]
+    x = torch.cat([prompt, torch.full((prompt.shape[0], L), size["vocab"] - 1)], 1)
+    cache = block_cache.BlockCache(model, "dual", None, P, P + L)
+    lo, hi = L // 2 - bl, L // 2  # a block in the middle of the completion
+
+    def seconds(fn) -> float:
+        fn()
+        t0 = time.process_time()
+        for _ in range(repeats):
+            fn()
+        return time.process_time() - t0
+
+    with torch.no_grad():
+        full = seconds(lambda: cache.refresh(x, lo, hi, L))
+        block = seconds(lambda: cache.block(x, lo, hi))
+    return full / block
 
 
 def main() -> None:
@@ -129,7 +151,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"dual cache, trace stride {args.stride}, {SETTING}; ms per step (share of the step)")
-    print(f"{'size':<6}{'batch':>6}{'step':>9}" + "".join(f"{p:>13}" for p in PARTS))
+    head = f"{'size':<6}{'batch':>6}{'step':>9}" + "".join(f"{p:>13}" for p in PARTS)
+    print(head + f"{'full/block':>12}")
     for batch in args.batch:
         for name in args.sizes:
             profile(name, batch, args.stride)
