@@ -13,6 +13,9 @@ rollout spent inside the model's forwards (the rest is the sampler and the trace
 ``trace_refresh="suffix"`` (a recorded step recomputes only the block and its suffix), with the
 forwards the sampler ran (full / block).
 
+The script re-runs itself with glibc's allocator told to keep freed memory (``STEADY_MALLOC``;
+``--as-is`` keeps the defaults), since otherwise "none" varies by up to +-20 % between runs.
+
 The bound is the ratio of token-forwards, none's T (P + L) over the variant's sum of query
 lengths (a full forward P + L, a dual block step block_length, a prefix block step or a suffix
 refresh L - block start): what the cache saves if a forward's cost were its query length.
@@ -24,7 +27,9 @@ refresh L - block start): what the cache saves if a forward's cost were its quer
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -40,6 +45,23 @@ SIZES = {  # issue 36: small models, where per-step overhead would show
 SETTING = dict(vocab=64, L=256, T=128, block=32, prompt=64)
 FULL = dict(layers=8, d=512, heads=8, vocab=32000, L=256, T=128, block=32, prompt=128)
 QUICK = dict(layers=4, d=256, heads=4, vocab=8000, L=64, T=32, block=16, prompt=32)
+
+
+# glibc returns a large forward's freed activations to the system and faults them in again by an
+# amount that differs from run to run (docs/rollouts.md): "none" then varies by +-20 % between
+# runs. These settings keep freed memory in the process, so each ratio measures compute.
+STEADY_MALLOC = {
+    "MALLOC_TRIM_THRESHOLD_": "4000000000",
+    "MALLOC_MMAP_THRESHOLD_": "4000000000",
+    "MALLOC_TOP_PAD_": "268435456",
+}
+
+
+def with_steady_allocator() -> None:
+    """Re-run this script under ``STEADY_MALLOC`` unless it already runs so (or --as-is)."""
+    if "--as-is" in sys.argv or all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | STEADY_MALLOC)
 
 
 def random_llada(layers, d, heads, vocab, positions, seed=0):
@@ -166,7 +188,9 @@ def main():
     ap.add_argument("--batch", type=int, default=None, help="sequences (default 8; --variants 1)")
     ap.add_argument("--stride", type=int, default=4)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--as-is", action="store_true", help="keep glibc's default allocator settings")
     args = ap.parse_args()
+    with_steady_allocator()
     torch.set_num_threads(1)
     if args.variants:
         args.batch = args.batch or 1
