@@ -65,6 +65,10 @@ def live_and_bound_rows(L, T, bl, s, scope):
     k = T // (L // bl)
     per_step = transfer_schedule(torch.tensor([bl]), k)[0].tolist()
     live, bound, masked_block = 0, 0, bl
+
+    def reach(r: int) -> int:  # the block of r's next recorded state (TraceRecorder.reach_block)
+        return min(r + s, T - 1) // k
+
     for t in range(T):
         i = t % k
         masked_block = (bl if i == 0 else masked_block) - per_step[i]
@@ -74,7 +78,6 @@ def live_and_bound_rows(L, T, bl, s, scope):
         else:  # the block's snapshots, one of the previous block's reaching into it, and the
             # next block's rows held by a snapshot here whose next recorded state lies there
             c = t // k
-            reach = lambda r: min(r + s, T - 1) // k  # noqa: E731
             own = [r for r in range(t - i, t + 1) if r % s == 0]
             before = [r for r in range(0, t - i) if r % s == 0 and reach(r) == c]
             snaps, masked = len(own) + len(before), masked_block

@@ -242,8 +242,6 @@ class _Sampler:
                 clock=self.clock,
                 recorded=recorded,
                 last=self._last_rows(active, born),
-                any_recorded=traced,
-                any_last=None if self.tau is not None else self.t == self.steps - 1,
             )
         self.masked[:, lo:hi] &= ~born
         self.clock += active.long()

@@ -34,7 +34,6 @@ class _BlockRows:
         self.lse: list[Tensor] = []
         self.slot: Tensor | None = None
         self.js: Tensor | None = None
-        self._lse_all = None  # cat(lse) and each chunk's offset in it, rebuilt when chunks change
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -56,7 +55,6 @@ class _BlockRows:
         first = self.slot is None
         self.slot = slot[None] if first else torch.cat([self.slot, slot[None]])
         self.js = js[None] if first else torch.cat([self.js, js[None]])
-        self._lse_all = None
 
     def release(self, born: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Gather log p(x*_n) at every held row of the positions ``born`` [B, bl] (x* =
@@ -73,20 +71,14 @@ class _BlockRows:
         idx = slot.clamp_min(0)
         tok = tokens[bs, ns]
         vals = torch.stack([rows[i, tok] for rows, i in zip(self.rows, idx, strict=True)])
-        lse_all, offsets = self._lse_index()
-        logp = vals.float() - lse_all[offsets[:, None] + idx]
+        offsets = torch.tensor([0] + [r.shape[0] for r in self.rows[:-1]]).cumsum(0)
+        logp = vals.float() - torch.cat(self.lse)[offsets.to(idx.device)[:, None] + idx]
         g, k = (slot >= 0).nonzero(as_tuple=True)  # a held slot's batch row is recorded (js >= 0)
         b = bs[k]
         out = (b, self.js[g, b], ns[k], logp[g, k])
         self.slot[:, bs, ns] = -1
         self._free(self.slot.flatten(1).ge(0).sum(1).tolist())
         return out
-
-    def _lse_index(self) -> tuple[Tensor, Tensor]:
-        if self._lse_all is None:
-            sizes = torch.tensor([0] + [r.shape[0] for r in self.rows[:-1]])
-            self._lse_all = (torch.cat(self.lse), sizes.cumsum(0).to(self.slot.device))
-        return self._lse_all
 
     def _free(self, live: list[int]) -> None:
         """Drop the chunks with no live row, compact those at most half live."""
@@ -99,7 +91,6 @@ class _BlockRows:
             self.lse = [self.lse[g] for g in keep]
             index = torch.tensor(keep, dtype=torch.long, device=self.slot.device)
             self.slot, self.js = self.slot[index], self.js[index]
-            self._lse_all = None
 
     def _compact(self, g: int) -> None:
         slot = self.slot[g]
@@ -108,7 +99,6 @@ class _BlockRows:
         self.rows[g], self.lse[g] = self.rows[g][keep], self.lse[g][keep]
         slot.fill_(-1)
         slot[alive] = torch.arange(keep.numel(), device=keep.device)
-        self._lse_all = None
 
 
 class TraceRecorder:
@@ -199,8 +189,6 @@ class TraceRecorder:
         clock: Tensor,
         recorded: Tensor,
         last: Tensor,
-        any_recorded: bool | None = None,
-        any_last: bool | None = None,
     ) -> None:
         """Record one step of the given block.
 
@@ -209,12 +197,10 @@ class TraceRecorder:
         masked [B, L]: M before the step; born [B, bl]: the positions of the block committed now;
         tokens [B, bl]: the block after the commit (x* where born); clock [B]: each row's own
         step; recorded [B]: rows recorded now (j = clock // s); last [B]: rows whose last step
-        this is (their M_{T_b-1}). ``any_recorded`` / ``any_last``: whether any row is, when the
-        caller knows (saves a device sync).
+        this is (their M_{T_b-1}).
         """
         lo, hi = block * self.bl, (block + 1) * self.bl
-        any_recorded = bool(recorded.any()) if any_recorded is None else any_recorded
-        any_last = bool(last.any()) if any_last is None else any_last
+        any_recorded, any_last = bool(recorded.any()), bool(last.any())
         self._release(block, born, tokens)
         if any_recorded or any_last:
             gather_now = born & (recorded | last)[:, None]  # positions born now: x* is known
