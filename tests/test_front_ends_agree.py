@@ -63,9 +63,12 @@ def _trl_args(cfg, out) -> DACAGRPOConfig:
     )
 
 
-@pytest.mark.parametrize("gas", [1, 2])
-@pytest.mark.parametrize("method", list(METHODS))
-def test_native_and_trl_steps_are_identical(tiny_model_dir, tmp_path, method, gas):
+@pytest.mark.parametrize(
+    ("method", "gas", "extra"),
+    [(m, gas, ()) for m in METHODS for gas in (1, 2)]
+    + [("gdpo", 2, ("dps.center=sequence",))],  # the masks reach DPS in both front-ends
+)
+def test_native_and_trl_steps_are_identical(tiny_model_dir, tmp_path, method, gas, extra):
     """Every registered method, DPS and SML on: two prompts of G = 6 per step, in one
     micro-batch or in two (gradient accumulation 2)."""
     mu = 2  # wd1 too: μ updates per rollout, each with its own masks
@@ -81,6 +84,7 @@ def test_native_and_trl_steps_are_identical(tiny_model_dir, tmp_path, method, ga
         "dps.lam=1.0",
         "sml.enabled=true",
         "sml.eta=0.5",
+        *extra,
     )
     native = Trainer(cfg, progress=False)
     rows = [r for m in range(gas) for r in native._prompts_for(0, m)]  # the step's, in order

@@ -182,6 +182,7 @@ def test_left_pad():
         ({"mask_truncated_completions": True}, "mask_truncated_completions"),
         ({"dps_stride": 8, "steps": 8}, "dps_stride=8 >= steps=8"),
         ({"steps_per_generation": 2}, "DPS normalises over the trajectories of one optimizer"),
+        ({"dps_credit": "oracle"}, "control of `daca train`"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, bad, match):

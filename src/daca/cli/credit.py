@@ -23,11 +23,25 @@ def add_arguments(p) -> None:
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="with --model: config overrides"
     )
     p.add_argument("--out", help="output folder (default: RUN_DIR/credit, or credit-MODEL-TASK)")
+    p.add_argument(
+        "--resamples",
+        type=int,
+        default=1000,
+        help="bootstrap resamples of the separation's intervals (trace tasks; 0: none)",
+    )
 
 
 def run(args) -> int:
     from daca.tasks import get_task
+    from daca.tasks.credit_labels import has_graded_units
     from daca.tools.credit import credit_rows, credit_table, load_records, plot_credit
+    from daca.tools.separation import (
+        graded_tokens,
+        separation_table,
+        separations,
+        sequence_line,
+        sequence_weights,
+    )
 
     if (args.run_dir is None) == (args.model is None):
         print("error: give a RUN_DIR or --model (one of them)", file=sys.stderr)
@@ -44,10 +58,10 @@ def run(args) -> int:
         return 2
     task = records[0].get("task", "")
     try:
-        trace_steps = get_task(task).trace_steps
+        task_obj = get_task(task)
     except ValueError:  # a task registered by the run's own code: roles without steps
-        trace_steps = None
-    rows = credit_rows(records, trace_steps)
+        task_obj = None
+    rows = credit_rows(records, task_obj.trace_steps if task_obj else None)
     if not rows:
         print("error: the recorded completions hold no token", file=sys.stderr)
         return 2
@@ -59,6 +73,13 @@ def run(args) -> int:
     (out / "credit.md").write_text(f"{title}\n\n{table}")
     plot_credit(rows, out / "credit.png", title)
     print(f"{title}\n\n{table}\nwrote {out / 'credit.md'} and {out / 'credit.png'}")
+    if task_obj is not None and has_graded_units(task_obj):
+        tokens = graded_tokens(records, task_obj)
+        table = separation_table(separations(tokens, resamples=args.resamples))
+        table += "\n" + sequence_line(sequence_weights(records))
+        (out / "separation.md").write_text(f"{title}\n\n{table}")
+        heading = "Does DPS tell right tokens from wrong ones?"
+        print(f"\n{heading}\n\n{table}\nwrote {out / 'separation.md'}")
     return 0
 
 

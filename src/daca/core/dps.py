@@ -394,3 +394,67 @@ def rollout_multipliers(
         raise ValueError("the rollout carries no DPS trace; generate it with dps_stride=s")
     norm = normalize(rollout_deltas(rollout, last_step), norm_axis, eps)
     return token_multipliers(norm, rollout.birth_step, rollout.recorded_steps, lam, clamp_min)
+
+
+def center_per_sequence(multipliers: Tensor, valid: Tensor) -> Tensor:
+    """Each row's multipliers shifted so that their mean over ``valid`` is 1 (METHOD.md §2,
+    ``center = "sequence"``): m_n - mean_valid(m) + 1, [B, L]; positions that are not valid
+    are left as they are. A shift, not a division: a row's mean may be near 0 or negative."""
+    if valid.shape != multipliers.shape:
+        raise ValueError(
+            f"valid {tuple(valid.shape)} must be the multipliers' {tuple(multipliers.shape)}"
+        )
+    valid = valid.bool()
+    mean = _masked_mean(multipliers.float(), valid)  # [B]
+    shifted = multipliers - mean[:, None].to(multipliers.dtype) + 1.0
+    return torch.where(valid, shifted, multipliers)
+
+
+def oracle_multipliers(
+    labels: Tensor,
+    advantages: Tensor,
+    reference: Tensor,
+    valid: Tensor,
+    *,
+    gather: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The oracle-credit control (METHOD.md §2, "Oracle credit"): multipliers [B, L] from the
+    ground truth, with the mean and spread of ``reference`` (DPS's multipliers of the same step).
+
+    ``labels`` [B, L]: +1 a token of a right unit (trace step, answer cell), -1 of a wrong one,
+    0 none; ``advantages`` [B]; ``valid`` [B, L] the positions that count (the completion mask).
+    A token's score is o_n = label_n * sign(A): +1 where its correctness agrees with its
+    completion's outcome (a right step of a rewarded completion, a wrong one of a penalised
+    one), so its advantage is scaled up; -1 where it disagrees. The multiplier is
+    mu + sigma * (o_n - mean o) / std o, mu and sigma the population mean and spread of
+    ``reference`` over the valid positions of every process (``gather``: this process's
+    Tensor -> all processes' concatenated, as ``step_multipliers``); all scores equal: mu.
+    Positions that are not valid get mu.
+
+    Returns the multipliers and ``dps/oracle_corr``, the correlation of ``reference`` with o
+    over the valid positions (how far DPS's own multiplier agrees with the oracle's ranking).
+    """
+    if labels.shape != reference.shape or valid.shape != reference.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)}, reference {tuple(reference.shape)} and valid "
+            f"{tuple(valid.shape)} must share their [B, L] shape"
+        )
+    if advantages.shape != reference.shape[:1]:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] = {reference.shape[0]}")
+    valid = valid.bool()
+    score = (labels.double() * advantages.double().sign()[:, None]).where(valid, 0.0)
+    ref = reference.double().where(valid, 0.0)
+    # Sums of this process's rows; their global totals give the step's statistics.
+    sums = torch.stack(
+        [valid.sum().double(), ref.sum(), (ref * ref).sum(), score.sum(),
+         (score * score).sum(), (ref * score).sum()]
+    )  # fmt: skip
+    n, s_ref, s_ref2, s_o, s_o2, s_cross = (gather or (lambda t: t))(sums).reshape(-1, 6).sum(0)
+    n = n.clamp_min(1)
+    mu, mu_o = s_ref / n, s_o / n
+    var, var_o = (s_ref2 / n - mu * mu).clamp_min(0), (s_o2 / n - mu_o * mu_o).clamp_min(0)
+    sigma, sigma_o = var.sqrt(), var_o.sqrt()
+    out = mu + sigma * (score - mu_o) / sigma_o if sigma_o > 0 else mu.expand_as(score)
+    out = out.where(valid, mu).to(reference.dtype)
+    corr = (s_cross / n - mu * mu_o) / (sigma * sigma_o) if sigma > 0 and sigma_o > 0 else 0.0
+    return out, {"dps/oracle_corr": float(corr)}

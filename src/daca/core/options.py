@@ -19,6 +19,10 @@ TRACE_REFRESHES = ("full", "suffix")
 DPS_SCOPES = ("all", "block")
 LAST_STEP_MODES = ("extrapolate", "neutral", "raw", "mean", "measured")
 NORM_AXES = ("per_step", "trajectory", "group", "none")
+# Where the multipliers come from: DPS's progress, or the ground-truth control (METHOD.md §2).
+CREDITS = ("progress", "oracle")
+# Whether each completion's multipliers are shifted to a mean of 1 (METHOD.md §2).
+CENTERS = ("none", "sequence")
 # SML's cut of the completion into strata (METHOD.md §3).
 STRATA = ("random", "interleaved", "contiguous")
 # Group advantages (METHOD.md §4, §6): the division by the group's spread, the baseline.
@@ -136,6 +140,8 @@ def check_num_strata(
 __all__ = [
     "ADVANTAGE_BASELINES",
     "CACHES",
+    "CENTERS",
+    "CREDITS",
     "DPS_SCOPES",
     "GDPO_REDUCTIONS",
     "LAST_STEP_MODES",

@@ -56,6 +56,10 @@ class Task:
         trace_steps: ``trace_steps(completion, row) -> [(start, end, right)]`` for a task that
             reasons before it answers: each step written in the reasoning, its character span
             and whether it is right (analysis only, never a reward).
+        answer_cells: ``answer_cells(completion, row) -> [(start, end, right)]`` beside
+            ``trace_steps``: each graded unit of the answer (a Sudoku blank, a Countdown
+            expression), its character span and whether it is right; with ``trace_steps``
+            the ground truth of the oracle-credit control (``daca.tasks.credit_labels``).
     """
 
     name: str
@@ -70,6 +74,7 @@ class Task:
     reference_completion: Callable[[dict[str, Any]], str] | None = None
     compact_vocabulary: tuple[str, ...] = ()
     trace_steps: Callable[[str, dict[str, Any]], list[tuple[int, int, bool]]] | None = None
+    answer_cells: Callable[[str, dict[str, Any]], list[tuple[int, int, bool]]] | None = None
 
     def __post_init__(self):
         if not self.reward_weights:

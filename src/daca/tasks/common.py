@@ -15,8 +15,8 @@ _OPEN, _CLOSE = "<answer>", "</answer>"
 FORMAT_VOCABULARY = ("<reasoning>", "</reasoning>", _OPEN, _CLOSE, "\n", " ")
 
 
-def answer_tag_span(text: str) -> str | None:
-    """The text inside the last ``<answer>…</answer>``, stripped, or None when absent.
+def answer_tag_bounds(text: str) -> tuple[int, int] | None:
+    """Where the text inside the last ``<answer>…</answer>`` starts and ends, or None.
 
     The pairs are those of ``re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)`` (each
     opening tag with the next closing tag, left to right), found in linear time: that regex
@@ -28,7 +28,13 @@ def answer_tag_span(text: str) -> str | None:
         if end < 0:
             break
         last, pos = (start + len(_OPEN), end), end + len(_CLOSE)
-    return None if last is None else text[last[0] : last[1]].strip()
+    return last
+
+
+def answer_tag_span(text: str) -> str | None:
+    """The text inside the last ``<answer>…</answer>``, stripped, or None when absent."""
+    bounds = answer_tag_bounds(text)
+    return None if bounds is None else text[bounds[0] : bounds[1]].strip()
 
 
 def answer_span(text: str) -> str:

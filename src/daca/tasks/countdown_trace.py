@@ -30,6 +30,7 @@ from daca.tasks import Task, countdown
 from daca.tasks.arith import ExpressionError, evaluate_steps
 from daca.tasks.common import (
     FORMAT_VOCABULARY,
+    answer_tag_bounds,
     answer_tag_span,
     chat_user_message,
     check_lengths,
@@ -94,6 +95,22 @@ def step_spans(completion: str) -> list[tuple[int, int, bool]]:
     return out
 
 
+def answer_spans(completion: str, numbers: list[int], target: int) -> list[tuple[int, int, bool]]:
+    """The answer's expression as one graded unit (start, end, right): the stripped text inside
+    the last answer tags, right when ``grade`` gives the full reward. Analysis and the
+    oracle-credit control only."""
+    text = completion_text(completion)
+    bounds = answer_tag_bounds(text)
+    if bounds is None:
+        return []
+    inner = text[bounds[0] : bounds[1]]
+    start = bounds[0] + len(inner) - len(inner.lstrip())
+    end = bounds[0] + len(inner.rstrip())
+    if start >= end:
+        return []
+    return [(start, end, grade(text, numbers, target) == countdown.CORRECT_REWARD)]
+
+
 def step_correctness(completion: str) -> list[bool]:
     """For each ``a op b = c`` written in the reasoning, whether it is true (``step_spans``)."""
     return [right for _, _, right in step_spans(completion)]
@@ -149,4 +166,7 @@ def make_task(preset: str = "tiny") -> Task:
         reference_completion=reference_completion,
         compact_vocabulary=FORMAT_VOCABULARY,
         trace_steps=lambda completion, row: step_spans(completion),
+        answer_cells=lambda completion, row: answer_spans(
+            completion, row["numbers"], row["target"]
+        ),
     )

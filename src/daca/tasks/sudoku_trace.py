@@ -30,6 +30,7 @@ from typing import Any
 from daca.tasks import Task, sudoku
 from daca.tasks.common import (
     FORMAT_VOCABULARY,
+    answer_tag_bounds,
     answer_tag_span,
     chat_user_message,
     check_lengths,
@@ -147,6 +148,25 @@ def step_spans(completion: str, solution: str) -> list[tuple[int, int, bool]]:
     ]
 
 
+def answer_cell_spans(completion: str, puzzle: str, solution: str) -> list[tuple[int, int, bool]]:
+    """Each blank cell's digit in the answer as (start, end, right): its character span in the
+    completion and whether it is the solution's (the cells the reward counts; givens are not
+    graded). An answer that does not parse to 16 digits (reward 0) has every digit wrong.
+    Analysis and the oracle-credit control only."""
+    text = completion_text(completion)
+    bounds = answer_tag_bounds(text)
+    if bounds is None:
+        return []
+    digits = [m.start() + bounds[0] for m in re.finditer(r"[0-9]", text[bounds[0] : bounds[1]])]
+    if parse_answer(text) is None:
+        return [(at, at + 1, False) for at in digits]
+    return [
+        (at, at + 1, text[at] == solution[cell])
+        for cell, at in enumerate(digits)
+        if puzzle[cell] == "0"
+    ]
+
+
 def step_correctness(completion: str, solution: str) -> list[bool]:
     """For each step written in the reasoning, whether it is right (``step_spans``)."""
     return [right for _, _, right in step_spans(completion, solution)]
@@ -201,4 +221,7 @@ def make_task() -> Task:
         reference_completion=reference_completion,
         compact_vocabulary=(*FORMAT_VOCABULARY, *STEP_HEADS, "r", "c", "n", "b"),
         trace_steps=lambda completion, row: step_spans(completion, row["solution"]),
+        answer_cells=lambda completion, row: answer_cell_spans(
+            completion, row["puzzle"], row["solution"]
+        ),
     )

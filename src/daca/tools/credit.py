@@ -24,11 +24,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from daca.tasks.credit_labels import completion_of, token_spans
+
 ROLES = ("reasoning", "answer", "other", "step right", "step wrong", "first step", "later steps")
 # Which completions a column counts: all, or those of positive / negative advantage.
 SIGNS = ("all", "A > 0", "A < 0")
-# Markers a tokenizer puts for a leading space (byte-level BPE, SentencePiece).
-_SPACE_MARKS = ("Ġ", "▁")
 
 
 def load_records(run_dir: Path, first: int | None = None, last: int | None = None) -> list[dict]:
@@ -49,32 +49,6 @@ def load_records(run_dir: Path, first: int | None = None, last: int | None = Non
     if not any("multipliers" in r for r in records):
         raise ValueError(f"{run_dir}: its rollouts carry no DPS multipliers (a run with DPS off)")
     return records
-
-
-def _token_text(tok: str) -> str:
-    for mark in _SPACE_MARKS:
-        if tok.startswith(mark):
-            return " " + tok[len(mark) :]
-    return tok
-
-
-def token_spans(tokens: list[str], special: set[str]) -> list[tuple[int, int] | None]:
-    """Each token's character span in ``completion_of(tokens)`` (None for a special token)."""
-    spans, at = [], 0
-    for tok in tokens:
-        if tok in special:
-            spans.append(None)
-            continue
-        length = len(_token_text(tok))
-        spans.append((at, at + length))
-        at += length
-    return spans
-
-
-def completion_of(tokens: list[str], special: set[str]) -> str:
-    """The completion's text: its tokens joined, special ones left out (a tokenizer's space
-    marks read as spaces)."""
-    return "".join(_token_text(t) for t in tokens if t not in special)
 
 
 def _inside(text: str, open_tag: str, close_tag: str) -> tuple[int, int] | None:

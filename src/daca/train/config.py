@@ -66,6 +66,16 @@ class DPSConfig:
     norm_axis: Literal[options.NORM_AXES] = _f("per_step", "axis over which δ is z-scored")
     scope: Literal[options.DPS_SCOPES] = _f("all", "trace every masked position, or the block only")
     clamp_min: float | None = _f(None, "lower clamp of the multiplier (0 keeps advantage signs)")
+    center: Literal[options.CENTERS] = _f(
+        "none",
+        "'sequence': shift each completion's multipliers to a mean of 1, so DPS moves credit "
+        "within a completion and leaves its total advantage as it was (METHOD.md §2)",
+    )
+    credit: Literal[options.CREDITS] = _f(
+        "progress",
+        "multipliers from the progress δ̄ (DPS), or 'oracle': the control that scales by ground "
+        "truth with DPS's mean and spread (trace tasks; METHOD.md §2)",
+    )
 
 
 @dataclass
@@ -500,6 +510,10 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         f"max_nonfinite_steps must be >= 1, got {cfg.max_nonfinite_steps}",
     )
     need(world_size >= 1, "world size must be >= 1")
+    need(
+        cfg.dps.credit == "progress" or cfg.dps.enabled,
+        "dps.credit=oracle replaces DPS's multipliers: it needs dps.enabled: true",
+    )
     need(
         cfg.name is None or _is_folder_name(cfg.name),
         f"name {cfg.name!r}: a folder name",

@@ -30,6 +30,7 @@ from daca.models.prompts import (
     prompt_token_ids,
 )
 from daca.tasks import Task
+from daca.tasks.credit_labels import completion_of, graded_spans, special_tokens, token_labels
 from daca.tasks.prompts import prompt_texts
 from daca.tasks.rewards import score_rewards
 from daca.train.config import DPSConfig, GenerationConfig, TrainConfig
@@ -92,15 +93,22 @@ def sample_micro_batch(
 
 
 def dps_multipliers(
-    rollouts: list[Rollout], cfg: DPSConfig, *, gather=None, rank: int = 0
+    rollouts: list[Rollout],
+    cfg: DPSConfig,
+    *,
+    gather=None,
+    rank: int = 0,
+    completion_masks: list[Tensor] | None = None,
 ) -> tuple[list[Tensor | None], list[Tensor | None], dict]:
     """DPS of one optimizer step (``daca.core.dps.step_multipliers``): the multipliers [B, L] and
     normalised δ [B, R] of each rollout, δ z-scored over all the step's trajectories (every
     micro-batch; every process through ``gather``, METHOD.md §2 [decision]), and the ``dps/*``
-    metrics; with DPS off, None for each rollout and no metrics."""
+    metrics; with DPS off, None for each rollout and no metrics. ``cfg.center = "sequence"``
+    shifts each completion's multipliers to a mean of 1 over its ``completion_masks`` (the
+    metrics stay those of the multipliers before the shift)."""
     if not cfg.enabled:
         return [None] * len(rollouts), [None] * len(rollouts), {}
-    return dps.step_multipliers(
+    multipliers, normed, stats = dps.step_multipliers(
         rollouts,
         lam=cfg.lam,
         last_step=cfg.last_step,
@@ -109,6 +117,46 @@ def dps_multipliers(
         gather=gather,
         rank=rank,
     )
+    if cfg.center == "sequence":
+        if completion_masks is None:
+            raise ValueError("dps.center=sequence needs the completion masks")
+        multipliers = [
+            dps.center_per_sequence(m, mask)
+            for m, mask in zip(multipliers, completion_masks, strict=True)
+        ]
+    return multipliers, normed, stats
+
+
+def completion_labels(bundle: LoadedModel, task: Task, completion_ids: Tensor, rows) -> Tensor:
+    """Ground truth per completion token [B, L] long (``daca.tasks.credit_labels``): +1 a token
+    of a right trace step or answer cell, -1 of a wrong one, 0 the rest and every token after
+    the first end-of-sequence (the text the reward reads ends there)."""
+    tok = bundle.tokenizer
+    special = special_tokens(tok)
+    keep = completion_mask(bundle, completion_ids).cpu()
+    labels = torch.zeros(completion_ids.shape, dtype=torch.long)
+    for b, (ids, row) in enumerate(zip(completion_ids.cpu().tolist(), rows, strict=True)):
+        n = int(keep[b].sum())
+        tokens = tok.convert_ids_to_tokens(ids[:n])
+        steps, cells = graded_spans(task, completion_of(tokens, special), row)
+        labels[b, :n] = torch.tensor(token_labels(tokens, special, steps + cells), dtype=torch.long)
+    return labels.to(completion_ids.device)
+
+
+def oracle_credit(
+    batches: list[RolloutBatch], gather=None
+) -> tuple[list[Tensor], dict[str, float]]:
+    """The oracle-credit control over one optimizer step (``daca.core.dps.oracle_multipliers``):
+    each micro-batch's multipliers from its ``labels`` and advantages, with the mean and spread
+    of the DPS multipliers it carries over all the step's micro-batches and processes."""
+
+    def cat(name: str) -> Tensor:
+        return torch.cat([getattr(b, name) for b in batches])
+
+    multipliers, stats = dps.oracle_multipliers(
+        cat("labels"), cat("advantages"), cat("multipliers"), cat("completion_mask"), gather=gather
+    )
+    return list(multipliers.split([b.labels.shape[0] for b in batches])), stats
 
 
 @dataclass
@@ -122,6 +170,8 @@ class RolloutBatch:
     rewards: Tensor
     advantages: Tensor
     multipliers: Tensor | None = None
+    labels: Tensor | None = None  # ground truth per token, for dps.credit=oracle
+    dps_multipliers: Tensor | None = None  # DPS's own, where the oracle's replaced them
     old_logp: list[Tensor] = field(default_factory=list)  # one per inner iteration
     ref_logp: list[Tensor] = field(default_factory=list)
     rollout: Rollout | None = None  # the sampler's output, until DPS has read its trace
@@ -265,6 +315,8 @@ class RolloutSteps:
             prompts=prompts.texts,
             columns={c: [r.get(c) for r in rows] for c in self.task.columns},
         )
+        if cfg.dps.enabled and cfg.dps.credit == "oracle":
+            batch.labels = completion_labels(self.bundle, self.task, out.completion_ids, rows)
         return batch, stats
 
     @torch.no_grad()
@@ -316,10 +368,19 @@ class RolloutSteps:
         gather = self.acc.gather if self.world > 1 else None
         rollouts = [b.rollout for b in batches]
         multipliers, normed, stats = dps_multipliers(
-            rollouts, self.cfg.dps, gather=gather, rank=self.rank
+            rollouts,
+            self.cfg.dps,
+            gather=gather,
+            rank=self.rank,
+            completion_masks=[b.completion_mask for b in batches],
         )
         for batch, mult in zip(batches, multipliers, strict=True):
             batch.multipliers = mult
+        if self.cfg.dps.enabled and self.cfg.dps.credit == "oracle":
+            oracle, oracle_stats = oracle_credit(batches, gather)
+            stats.update(oracle_stats)
+            for batch, mult in zip(batches, oracle, strict=True):
+                batch.dps_multipliers, batch.multipliers = batch.multipliers, mult
         return normed, stats
 
     def _record_rollout(self, step: int, batch: RolloutBatch, normed: Tensor | None) -> None:
@@ -353,4 +414,9 @@ class RolloutSteps:
             record["recorded_steps"] = out.recorded_steps.tolist()
             record["multipliers"] = multipliers[rows].tolist()
             record["norm_deltas"] = normed[rows].tolist()
+            # The raw progress δ of each interval, for daca credit's separation.
+            record["deltas"] = dps.rollout_deltas(out, self.cfg.dps.last_step)[rows].tolist()
+        if batch.dps_multipliers is not None:
+            record["credit"] = "oracle"  # "multipliers" are the oracle's; DPS's own beside them
+            record["dps_multipliers"] = batch.dps_multipliers[rows].tolist()
         return record

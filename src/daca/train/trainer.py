@@ -21,6 +21,7 @@ import torch
 
 from daca.models.prompts import prompt_limit
 from daca.tasks import get_task
+from daca.tasks.credit_labels import has_graded_units
 from daca.train.checkpointing import (
     CheckpointSteps,
     latest_checkpoint,
@@ -78,6 +79,11 @@ class Trainer(SetupSteps, RolloutSteps, UpdateSteps, CheckpointSteps):
             self.task = get_task(config.task)
         except ValueError as e:
             raise InputError(f"task={config.task}: {e}") from None
+        if config.dps.credit == "oracle" and not has_graded_units(self.task):
+            raise InputError(
+                f"dps.credit=oracle needs a task that grades its trace steps and answer cells "
+                f"(sudoku-trace, countdown-trace); task={config.task} does not"
+            )
         self._check_sandbox()
         self.train_rows = self._load_rows("train", config.data_file, config.train_size)
         self.eval_rows = self._load_rows("test", config.eval_file, config.eval_size)

@@ -163,5 +163,11 @@ class DACAGRPOConfig(GRPOConfig):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"DACAGRPOConfig: {bad} do not apply to the masked-diffusion sampler")
+        if self.dps_credit != "progress":
+            # The control needs each completion's task row (its solution) beside its tokens.
+            raise ValueError(
+                f"dps_credit={self.dps_credit!r} is a control of `daca train` (docs/results.md); "
+                "the TRL front-end trains with DPS's own credit: leave dps_credit='progress'"
+            )
         self._check_method()
         self.max_completion_length = self.gen_length

@@ -283,7 +283,11 @@ class DACAGRPOTrainer(GRPOTrainer):
         gather = self.accelerator.gather if self.accelerator.num_processes > 1 else None
         rank = self.accelerator.process_index
         multipliers, _, metrics = dps_multipliers(
-            [b.rollout for b in batches], self.daca_cfg.dps, gather=gather, rank=rank
+            [b.rollout for b in batches],
+            self.daca_cfg.dps,
+            gather=gather,
+            rank=rank,
+            completion_masks=[b.completion_mask for b in batches],
         )
         for batch, mult in zip(batches, multipliers, strict=True):
             batch.multipliers = mult
