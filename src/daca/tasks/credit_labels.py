@@ -75,6 +75,12 @@ def token_labels(tokens: list[str], special: set[str], spans: list[Span]) -> lis
     return labels
 
 
+def record_special_tokens(record: dict) -> set[str]:
+    """The tokens left out of a recorded rollout's text (``daca credit``'s records name their
+    pad token; the end-of-sequence tokens of the supported tokenizers)."""
+    return {record.get("pad_token", "[PAD]"), "[EOS]", "[PAD]", "<|endoftext|>"}
+
+
 def special_tokens(tokenizer) -> set[str]:
     """The tokens left out of a completion's text: the tokenizer's special tokens."""
     return set(tokenizer.all_special_tokens) | {tokenizer.pad_token, tokenizer.eos_token} - {None}

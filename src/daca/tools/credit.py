@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from daca.tasks.credit_labels import completion_of, token_spans
+from daca.tasks.credit_labels import completion_of, record_special_tokens, token_spans
 
 ROLES = ("reasoning", "answer", "other", "step right", "step wrong", "first step", "later steps")
 # Which completions a column counts: all, or those of positive / negative advantage.
@@ -104,7 +104,7 @@ def credit_rows(records: list[dict], trace_steps=None) -> list[RoleCredit]:
     for rec in records:
         if "multipliers" not in rec:
             continue
-        special = {rec.get("pad_token", "[PAD]"), "[EOS]", "[PAD]", "<|endoftext|>"}
+        special = record_special_tokens(rec)
         columns = rec.get("columns", {})
         for g, tokens in enumerate(rec["tokens"]):
             adv = rec["advantages"][g]

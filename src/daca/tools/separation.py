@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from daca.tasks.credit_labels import completion_of, graded_spans, token_labels
+from daca.tasks.credit_labels import (
+    completion_of,
+    graded_spans,
+    record_special_tokens,
+    token_labels,
+)
 
 UNITS = ("trace steps", "answer cells", "all units")
 
@@ -48,16 +53,17 @@ def graded_tokens(records: list[dict], task) -> GradedTokens:
     cols: dict[str, list] = {k: [] for k in GradedTokens.__dataclass_fields__}
     completion = 0
     for rec in records:
-        special = {rec.get("pad_token", "[PAD]"), "[EOS]", "[PAD]", "<|endoftext|>"}
+        special = record_special_tokens(rec)
         columns, steps = rec.get("columns", {}), rec["recorded_steps"]
         multipliers = rec.get("dps_multipliers", rec["multipliers"])
+        no_deltas = [float("nan")] * len(steps)  # a record from before raw deltas were kept
         for g, tokens in enumerate(rec["tokens"]):
             row = {c: v[g] for c, v in columns.items()}
             trace, cells = graded_spans(task, completion_of(tokens, special), row)
             kinds = token_labels(tokens, special, [(a, b, False) for a, b, _ in cells])
             labels = token_labels(tokens, special, trace + cells)
             adv = rec["advantages"][g]
-            deltas = rec.get("deltas", [[float("nan")] * len(steps)] * len(rec["tokens"]))[g]
+            deltas = rec["deltas"][g] if "deltas" in rec else no_deltas
             for n, label in enumerate(labels):
                 if label == 0:
                     continue
@@ -68,7 +74,7 @@ def graded_tokens(records: list[dict], task) -> GradedTokens:
                 cols["aligned"].append((label > 0) == (adv > 0))
                 cols["signed"].append(adv != 0)
                 cols["interval"].append(j)
-                cols["delta"].append(float("nan") if deltas[j] is None else deltas[j])
+                cols["delta"].append(deltas[j])
                 cols["multiplier"].append(multipliers[g][n])
             completion += 1
     return GradedTokens(**{k: np.asarray(v) for k, v in cols.items()})
