@@ -1,7 +1,9 @@
 """Trainer step time: wd1 + DPS and wd1 + SML (K=4) against the wd1 base (issue 4, "Speed");
 with ``--setting trace``, the step of the paper's regime in miniature (sudoku-trace, L 64 in
 two blocks of 32, 32 steps, DPS stride 2) with the block KV cache against without, and with
-the cache and parallel decoding at threshold 0.9 against the cache alone (issue 20).
+the cache and parallel decoding at threshold 0.9 against the cache alone (issue 20); with
+``--setting grid``, a cell of the trace grids (docs/results.md: Diffu-GRPO, μ 2, the dual cache,
+temperature 0.9): + DPS, + SML (K 4) and full DACA against the base (issue 34, "Speed").
 
 Builds one ``daca.train.trainer.Trainer`` per variant on the shipped tiny model (or, while
 ``src/daca/assets/tiny`` does not exist yet, a random model of the same size) with the tiny
@@ -15,6 +17,7 @@ reward and update (the trainer's time_rollout / time_reward / time_update).
     python benchmarks/bench_train_step.py           # batch 96 (the recipe's), 8 rounds
     python benchmarks/bench_train_step.py --setting trace   # the trace task, cache vs none
     python benchmarks/bench_train_step.py --setting trace --task countdown-trace
+    python benchmarks/bench_train_step.py --setting grid    # the trace grids' cell
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ TRACE_VARIANTS = {
 }
 
 
+# A cell of the trace grids (`daca compare --task sudoku-trace ... generation.cache=dual`): the
+# variants a grid compares, with the grid's method and μ (Diffu-GRPO's compare_iterations).
+GRID_VARIANTS = {
+    "base": ["variant=base"],
+    "+dps": ["variant=dps"],
+    "+sml4": ["variant=sml", "sml.num_strata=4"],
+    "+daca": ["variant=daca", "sml.num_strata=4"],
+}
+GRID = [
+    "method=diffu_grpo", "num_iterations=2", "learning_rate=1e-4", "generation.cache=dual",
+    "generation.temperature=0.9",
+]  # fmt: skip
+
+
 def stand_in_model(folder: Path, task: str) -> Path:
     """A random model in the shipped tiny models' format and size for ``task``."""
     from transformers.utils import logging as hf_logging
@@ -62,6 +79,8 @@ def stand_in_model(folder: Path, task: str) -> Path:
 
 def settings(setting: str, task: str | None) -> tuple[str, dict, list[str]]:
     """(task, variants, overrides) of a setting."""
+    if setting == "grid":
+        return task or "sudoku-trace", GRID_VARIANTS, GRID
     if setting == "trace":
         return task or "sudoku-trace", TRACE_VARIANTS, [
             "generation.gen_length=64", "generation.steps=32", "generation.block_length=32",
@@ -77,15 +96,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="timed steps per variant")
     ap.add_argument("--batch", type=int, default=None, help="completions per step")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--setting", choices=["tiny", "trace"], default="tiny")
+    ap.add_argument("--setting", choices=["tiny", "trace", "grid"], default="tiny")
     ap.add_argument("--model", help="model folder (default: the task's shipped tiny model)")
-    ap.add_argument("--task", help="with --setting trace: sudoku-trace (default), countdown-trace")
+    ap.add_argument(
+        "--task", help="with --setting trace or grid: sudoku-trace (default), countdown-trace"
+    )
     args = ap.parse_args()
-    if args.task and args.setting != "trace":
-        ap.error("--task goes with --setting trace")
+    if args.task and args.setting == "tiny":
+        ap.error("--task goes with --setting trace or grid")
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (4 if args.quick else 8)
-    batch = args.batch or (48 if args.quick or args.setting == "trace" else 96)
+    batch = args.batch or (48 if args.quick or args.setting != "tiny" else 96)
     task, variants, lengths = settings(args.setting, args.task)
 
     from daca.shipped import tiny_for_task
@@ -103,7 +124,7 @@ def main() -> None:
         f"model={model}",
         f"output_dir={tmp}",
         f"task={task}",
-        "method=wd1",
+        "method=wd1",  # the grid setting names its own
         "device=cpu",
         "num_generations=6",
         f"per_device_train_batch_size={batch}",
@@ -131,8 +152,12 @@ def main() -> None:
     def med(n: str, key: str) -> float:
         return statistics.median(s[key] for s in times[n])
 
-    length = next(x for x in lengths if "gen_length" in x).split("=")[1]
-    print(f"trainer step on {which}: {task}, wd1, {batch} completions (G=6), L={length},")
+    cfg = trainers[names[0]].cfg
+    gen = cfg.generation
+    print(
+        f"trainer step on {which}: {task}, {cfg.method} (μ {cfg.num_iterations}), {batch} "
+        f"completions (G=6), L={gen.gen_length}, cache {gen.cache},"
+    )
     print(f"DPS stride 2, {args.threads} thread(s), median of {rounds} alternated steps")
     heads = ("step s", "ratio", "rollout", "reward", "update", "T_b")
     print(f"{'variant':18s} " + " ".join(f"{h:>8s}" for h in heads))
@@ -153,6 +178,12 @@ def main() -> None:
             step = med(slow, "time_step") / med(fast, "time_step")
             ro = med(slow, "time_rollout") / med(fast, "time_rollout")
             print(f"step {label}: {step:.3f}x; rollout: {ro:.3f}x")
+        return
+    if args.setting == "grid":
+        up = med("+sml4", "time_update") / med("base", "time_update")
+        ro = med("+dps", "time_rollout") / med("base", "time_rollout")
+        print(f"rollout with the DPS trace / without: {ro:.3f}x")
+        print(f"update with SML K=4 / without: {up:.3f}x")
         return
     # Ratios of the phases the plug-ins touch (DPS: the traced rollout; SML: the update).
     ro = med("wd1+dps", "time_rollout") / med("wd1", "time_rollout")

@@ -86,6 +86,43 @@ def test_first_inner_iteration_has_ratio_one_and_kl_zero(tiny_model_dir, tmp_pat
     assert calls[1][1]["kl"] > 0 and calls[2][1]["kl"] > 0  # the policy has left it
 
 
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["method=diffu_grpo"],
+        ["method=diffu_grpo", "sml.enabled=true", "sml.num_strata=3"],
+        ["method=gdpo", "quadrature=gauss-2"],
+        ["method=coupled_grpo"],
+    ],
+)
+def test_iteration_zero_uses_the_updates_own_logp(tiny_model_dir, tmp_path, monkeypatch, over):
+    """μ = 3, β = 0: the old policy's log-probs are computed for iterations 1 and 2 only (2
+    no-grad calls per step); iteration 0's are the update's own, detached. That is exact: they
+    equal bit for bit the no-grad forward under iteration 0's masks that the step would
+    otherwise spend (recomputed here, before any update of the step)."""
+    from daca.train import update
+
+    real, calls = update.token_logp, []
+
+    def spy(method, model, batch, cfg, seed, mask_id):
+        logp, sml = real(method, model, batch, cfg, seed, mask_id)
+        calls.append((torch.is_grad_enabled(), seed))
+        if torch.is_grad_enabled() and len(calls) % 5 == 3:  # iteration 0 of the step
+            with torch.no_grad():
+                again = real(method, model, batch, cfg, seed, mask_id)[0]
+            assert torch.equal(again, logp.detach())
+        return logp, sml
+
+    monkeypatch.setattr(update, "token_logp", spy)
+    cfg = _cfg(tiny_model_dir, tmp_path, "run", "num_iterations=3", "beta=0", *over)
+    Trainer(cfg, progress=False).train()
+    assert [grad for grad, _ in calls] == [False, False, True, True, True] * 2, calls
+    for step in range(2):
+        old, new = calls[5 * step : 5 * step + 2], calls[5 * step + 2 : 5 * step + 5]
+        assert [s for _, s in old] == [s for _, s in new[1:]]  # same masks as iterations 1, 2
+        assert len({s for _, s in new}) == 3
+
+
 def test_native_gdpo_masks_only_real_tokens(tiny_model_dir, tmp_path, monkeypatch):
     """With gdpo_reduction=token the trainer's ELBO masks no padding after EOS: those
     positions' terms stay 0. The default (the reference's "sequence") masks ⌊t·L⌋ of all L

@@ -109,8 +109,9 @@ def test_same_masks_for_current_old_and_reference(tiny_model_dir, tmp_path, sml)
     trainer, rows = make_trainer(tiny_model_dir, tmp_path, sml_enabled=sml, sml_num_strata=4)
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows)
-    old = trainer._batches[0].old_logp
-    assert not torch.equal(old[0], old[1])  # each inner iteration has its own masks
+    old, ref = trainer._batches[0].old_logp, trainer._batches[0].ref_logp
+    assert len(old) == 1 and len(ref) == 2  # iteration 0's old log-probs are the update's own
+    assert not torch.equal(ref[0], ref[1])  # each inner iteration has its own masks
     for k in (0, 1):
         trainer._step = k  # unchanged weights: ratio 1 and KL 0 exactly iff the masks match
         trainer.compute_loss(trainer.model, batch)

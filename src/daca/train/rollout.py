@@ -172,7 +172,7 @@ class RolloutBatch:
     multipliers: Tensor | None = None
     labels: Tensor | None = None  # ground truth per token, for dps.credit=oracle
     dps_multipliers: Tensor | None = None  # DPS's own, where the oracle's replaced them
-    old_logp: list[Tensor] = field(default_factory=list)  # one per inner iteration
+    old_logp: list[Tensor] = field(default_factory=list)  # one per inner iteration after the 1st
     ref_logp: list[Tensor] = field(default_factory=list)
     rollout: Rollout | None = None  # the sampler's output, until DPS has read its trace
     prompts: list[str] = field(default_factory=list)

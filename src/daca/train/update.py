@@ -59,12 +59,12 @@ def method_loss(
     it: int,
 ) -> tuple[Tensor, dict]:
     """The method's loss of one micro-batch at inner iteration ``it``: its old-policy log-probs
-    (the current ones, detached, when none were computed: μ = 1), its reference log-probs (none:
-    β = 0), its advantages and DPS multipliers."""
+    (at iteration 0, or for a method without a ratio, the current ones, detached: no update has
+    been made yet), its reference log-probs (none: β = 0), its advantages and DPS multipliers."""
     return method.loss(
         cfg,
         logp,
-        old_logp=batch.old_logp[it] if batch.old_logp else logp.detach(),
+        old_logp=batch.old_logp[it - 1] if it > 0 and batch.old_logp else logp.detach(),
         ref_logp=batch.ref_logp[it] if batch.ref_logp else None,
         advantages=batch.advantages,
         completion_mask=batch.completion_mask,
@@ -94,17 +94,21 @@ def old_and_reference(
     seeds: list[list[int]],
     mask_id: int,
 ) -> None:
-    """``old_logp`` and ``ref_logp`` of each of the step's micro-batches, once per rollout, one
-    per inner iteration's mask seed (``seeds[micro-batch]``): the old policy's (``model`` before
-    its updates) when μ > 1, the reference's (``reference()`` yields it) when β > 0. A method
-    without a ratio has neither."""
+    """``old_logp`` and ``ref_logp`` of each of the step's micro-batches, once per rollout: the
+    old policy's (``model`` before its updates) for each inner iteration after the first, with
+    its mask seed (``seeds[micro-batch][1:]``), and the reference's (``reference()`` yields it)
+    for every iteration when β > 0. A method without a ratio has neither.
+
+    Iteration 0 needs no old forward: no update has been made before it, so the old policy's
+    log-probs under its masks are the update's own, detached (``method_loss``): the same
+    numbers without dropout (bit for bit on the tiny CPU models), one likelihood evaluation
+    (K + 1 forwards with SML) fewer per rollout (METHOD.md §4)."""
     if not method.ratio:
         return
     for batch, batch_seeds in zip(batches, seeds, strict=True):
-        if len(batch_seeds) > 1:
-            batch.old_logp = [
-                token_logp(method, model, batch, cfg, s, mask_id)[0] for s in batch_seeds
-            ]
+        batch.old_logp = [
+            token_logp(method, model, batch, cfg, s, mask_id)[0] for s in batch_seeds[1:]
+        ]
         if cfg.beta > 0:
             with reference() as ref:
                 batch.ref_logp = [
