@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = {
+from daca.tools.compare import METHOD_OVERRIDES, VARIANTS
+
+STEP_VARIANTS = {
     "wd1": ["dps.enabled=false"],
     "wd1+dps": ["dps.enabled=true"],
     "wd1+sml4": ["dps.enabled=false", "sml.enabled=true", "sml.num_strata=4"],
@@ -52,15 +54,11 @@ TRACE_VARIANTS = {
 
 
 # A cell of the trace grids (`daca compare --task sudoku-trace ... generation.cache=dual`): the
-# variants a grid compares, with the grid's method and μ (Diffu-GRPO's compare_iterations).
-GRID_VARIANTS = {
-    "base": ["variant=base"],
-    "+dps": ["variant=dps"],
-    "+sml4": ["variant=sml", "sml.num_strata=4"],
-    "+daca": ["variant=daca", "sml.num_strata=4"],
-}
+# grid's own variant switches and Diffu-GRPO's settings (its compare_iterations μ), SML at the
+# default K = 4.
+GRID_VARIANTS = {"base": VARIANTS["base"], **{f"+{v}": VARIANTS[v] for v in ("dps", "sml", "daca")}}
 GRID = [
-    "method=diffu_grpo", "num_iterations=2", "learning_rate=1e-4", "generation.cache=dual",
+    *METHOD_OVERRIDES["diffu_grpo"], "learning_rate=1e-4", "generation.cache=dual",
     "generation.temperature=0.9",
 ]  # fmt: skip
 
@@ -85,7 +83,7 @@ def settings(setting: str, task: str | None) -> tuple[str, dict, list[str]]:
         return task or "sudoku-trace", TRACE_VARIANTS, [
             "generation.gen_length=64", "generation.steps=32", "generation.block_length=32",
         ]  # fmt: skip
-    return "sudoku", VARIANTS, [
+    return "sudoku", STEP_VARIANTS, [
         "generation.gen_length=16", "generation.steps=8", "generation.block_length=16",
     ]  # fmt: skip
 
@@ -107,7 +105,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (4 if args.quick else 8)
     batch = args.batch or (48 if args.quick or args.setting != "tiny" else 96)
-    task, variants, lengths = settings(args.setting, args.task)
+    task, variants, overrides = settings(args.setting, args.task)
 
     from daca.shipped import tiny_for_task
     from daca.train.config import load_config
@@ -124,11 +122,11 @@ def main() -> None:
         f"model={model}",
         f"output_dir={tmp}",
         f"task={task}",
-        "method=wd1",  # the grid setting names its own
+        "method=wd1",  # the grid's overrides name their own
         "device=cpu",
         "num_generations=6",
         f"per_device_train_batch_size={batch}",
-        *lengths,
+        *overrides,
         "dps.stride=2",
         "dps.lam=0.5",
         "train_size=500",
@@ -180,7 +178,7 @@ def main() -> None:
             print(f"step {label}: {step:.3f}x; rollout: {ro:.3f}x")
         return
     if args.setting == "grid":
-        up = med("+sml4", "time_update") / med("base", "time_update")
+        up = med("+sml", "time_update") / med("base", "time_update")
         ro = med("+dps", "time_rollout") / med("base", "time_rollout")
         print(f"rollout with the DPS trace / without: {ro:.3f}x")
         print(f"update with SML K=4 / without: {up:.3f}x")
