@@ -377,13 +377,15 @@ def write_dream(
     mask_token_id: int = 151666,
     dtype: torch.dtype = torch.float32,
     hub_tokenizer_class: bool = False,
+    extra_specials: dict[str, int] | None = None,
     **widths,
 ) -> Path:
     """A tiny Dream-v0-Instruct-7B folder (see ``write_llada`` for ``mask_token_id``).
 
     hub_tokenizer_class: name the tokenizer as the hub does, ``DreamTokenizer`` from the folder's
     ``tokenization_dream.py`` (``auto_map``), which ``AutoTokenizer`` refuses without remote code;
-    by default the folder names ``PreTrainedTokenizerFast`` instead."""
+    by default the folder names ``PreTrainedTokenizerFast`` instead. extra_specials: more added
+    tokens at their ids (DiffuCoder's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = dream_config(
@@ -399,7 +401,7 @@ def write_dream(
     }
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     write_weights(path, random_weights(dream_shapes(config), seed, dtype), shards)
-    specials = {**DREAM_SPECIALS, "<|mask|>": mask_token_id}
+    specials = {**DREAM_SPECIALS, "<|mask|>": mask_token_id, **(extra_specials or {})}
     write_tokenizer(
         path,
         specials,
@@ -418,3 +420,16 @@ def write_dream(
         path, ["configuration_dream", "modeling_dream", "generation_utils", "tokenization_dream"]
     )
     return path
+
+
+# DiffuCoder-7B-Instruct's tokenizer: Dream's, plus the <|dlm_pad|> its SFT fills a completion's
+# tail with (its README cuts the output at it). Its id is the next free one, 151667: the Instruct
+# folder's added_tokens.json is one entry (25 bytes) longer than the Base's, whose last is
+# <|mask|> 151666 (hub file listing; the file itself was not readable here).
+DIFFUCODER_SPECIALS = {"<|dlm_pad|>": 151667}
+
+
+def write_diffucoder(path: str | Path, **kwargs) -> Path:
+    """A tiny apple/DiffuCoder-7B-Instruct folder: Dream's layout (``model_type`` Dream,
+    ``DreamModel``, Qwen2 keys) with DiffuCoder's added token."""
+    return write_dream(path, extra_specials=DIFFUCODER_SPECIALS, **kwargs)

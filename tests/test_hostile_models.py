@@ -155,6 +155,55 @@ def test_an_auto_map_to_unknown_code_is_refused_and_not_imported(tmp_path, capsy
     assert imported_python(folder) == []
 
 
+@pytest.mark.parametrize(
+    "model_type",
+    ["qwen3", "llada2_moe", "Dream-v2"],
+    ids=["an-autoregressive-model", "an-unsupported-family", "a-misspelt-family"],
+)
+def test_an_unknown_architecture_is_one_line_naming_the_families(tmp_path, capsys, model_type):
+    """Neither a native family nor a masked LM transformers ships: one line naming every
+    native family, before a weight is read (the weights here are not even safetensors)."""
+    from daca.models.families import FAMILIES
+
+    folder = _tiny_copy(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    (folder / "model.safetensors").write_bytes(b"not weights: reading them would fail otherwise")
+    code, err = _eval(folder, capsys)
+    line = _one_error_line(err)
+    assert code == 2 and f"model_type {model_type!r}" in line
+    for family in FAMILIES.values():
+        assert family.name in line and family.model_types[0] in line
+
+
+def test_a_mixture_of_experts_under_llada_s_model_type_is_one_line(tmp_path, capsys):
+    """LLaDA-MoE-7B-A1B's config.json says model_type "llada" (dllm's LLaDA README tells
+    users to rewrite it to "lladamoe"); its fields are an OLMoE-style MoE's (the names of
+    dllm's LLaDAMoEConfig), not LLaDA's: refused in one line, no weight read."""
+    folder = _tiny_copy(tmp_path)
+    moe = {
+        "model_type": "llada",
+        "architectures": ["LLaDAMoEModelLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "dense_intermediate_size": 128,
+        "expert_intermediate_size": 32,
+        "shared_expert_intermediate_size": None,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": [1, 1],
+        "qk_layernorm": True,
+        "vocab_size": 157184,
+    }
+    (folder / "config.json").write_text(json.dumps(moe))
+    (folder / "model.safetensors").write_bytes(b"not weights: reading them would fail otherwise")
+    code, err = _eval(folder, capsys)
+    line = _one_error_line(err)
+    assert code == 2 and "mixture of experts" in line and "num_experts=8" in line
+    assert "a2d-qwen3" in line  # the families daca does run
+
+
 # ---------------------------------------------------------------- chat templates
 def _llada_with_template(tmp_path, template: str) -> Path:
     folder = write_llada(tmp_path / "llada", shards=1)

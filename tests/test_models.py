@@ -306,6 +306,54 @@ def test_shape_read_off_the_meta_module_equals_a_hand_count(tied):
     assert not shape_from_config(bert).head_on_completion
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Dream-org/Dream-Coder-v0-Instruct-7B",
+        "apple/DiffuCoder-7B-Instruct",
+        "apple/DiffuCoder-7B-cpGRPO",
+    ],
+)
+def test_dream_coder_and_diffucoder_have_dream_7b_s_built_in_shape(name):
+    """Both are Dream's architecture at Qwen2.5-7B's widths (Dream-Coder from Qwen2.5-Coder-7B,
+    which has Qwen2.5-7B's shape): a dry run of their hub names downloads nothing."""
+    shape, source = model_shape(name)
+    assert source == "built-in config.json"
+    assert shape == model_shape("Dream-org/Dream-v0-Instruct-7B")[0]
+
+
+def test_tiny_a2d_shapes_from_their_built_in_configs():
+    """dllm-hub's A2D Qwen3-0.6B and Qwen2.5-Coder-0.5B: the AR models' published sizes
+    (Qwen3-0.6B: 0.44 B without the tied embedding)."""
+    shape, source = model_shape("dllm-hub/Qwen3-0.6B-diffusion-mdlm-v0.1")
+    assert source == "built-in config.json"
+    # q 1024 -> 16 x 128, k/v 1024 -> 8 x 128, o back; per-head q/k norms of 128; 28 layers.
+    attention = 1024 * 2048 * 2 + 1024 * 1024 * 2
+    per_layer = attention + 3 * 1024 * 3072 + 2 * 128 + 2 * 1024
+    assert shape.parameters == 28 * per_layer + 1024 + 151936 * 1024 == 596_049_920
+    shape, _ = model_shape("dllm-hub/Qwen2.5-Coder-0.5B-Instruct-diffusion-mdlm-v0.1")
+    # Qwen2: q/o 896², k/v 896 x 128 (2 KV heads of 64), q/k/v biases; 24 layers.
+    per_layer = 2 * 896**2 + 2 * 896 * 128 + (896 + 2 * 128) + 3 * 896 * 4864 + 2 * 896
+    assert shape.parameters == 24 * per_layer + 896 + 151936 * 896 == 494_032_768
+
+
+def test_a2d_qwen3_shape_read_off_the_meta_module_equals_a_hand_count():
+    """A2D Qwen3: an explicit head width (q: 8 -> 4 heads of 6 = 24), per-head q/k norms of 6,
+    no biases, a tied head."""
+    d, layers, mlp, vocab = 8, 2, 12, 20
+    a2d = {
+        "model_type": "a2d-qwen3", "hidden_size": d, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+        "intermediate_size": mlp, "vocab_size": vocab, "tie_word_embeddings": True,
+    }  # fmt: skip
+    got = shape_from_config(a2d)
+    attention = ((8, 24), (8, 12), (8, 12), (24, 8))
+    assert got.linears == (attention + ((8, 12), (8, 12), (12, 8))) * layers
+    per_layer = 8 * 24 * 2 + 8 * 12 * 2 + 3 * 8 * 12 + 2 * 6 + 2 * d
+    assert got.parameters == layers * per_layer + d + vocab * d
+    assert got.head_on_completion  # transformers' Qwen3ForCausalLM takes logits_to_keep
+
+
 # ----------------------------------------------------------------------------- 4-bit
 def test_4bit_error_names_what_is_missing(monkeypatch):
     """The error is kept only where bitsandbytes is missing or has no backend for the device."""

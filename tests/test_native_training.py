@@ -1,4 +1,5 @@
-"""LLaDA and Dream checkpoints in the hub's layout, trained end to end as a user would.
+"""Native-family checkpoints in the hub's layout (LLaDA, Dream, dllm's A2D Qwen3 and Llama),
+trained end to end as a user would.
 
 Each family (tests/_hub.py: real config keys, vocabulary sizes and special ids, poisoned
 ``*.py`` files) goes through ``daca train`` with LoRA and gradient checkpointing for 2 steps; the
@@ -13,6 +14,7 @@ import json
 import pytest
 import torch
 from _hub import imported_python, write_dream, write_llada
+from _hub_a2d import write_a2d_llama, write_a2d_qwen3
 
 from daca.cli import main
 from daca.core.modeling import forward_logits
@@ -21,7 +23,12 @@ from daca.tasks import Task, get_task, register_task
 from daca.train.config import load_config
 from daca.train.trainer import Trainer
 
-WRITERS = {"llada": write_llada, "dream": write_dream}
+WRITERS = {
+    "llada": write_llada,
+    "dream": write_dream,
+    "a2d-qwen3": write_a2d_qwen3,
+    "a2d-llama": write_a2d_llama,
+}
 
 
 def ones(prompts, completions, **kw):
@@ -64,7 +71,7 @@ def some_ids(bundle, n=2, length=7):
     return torch.randint(100, 5000, (n, length), generator=g)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family", sorted(WRITERS))
 def test_lora_training_leaves_a_checkpoint_that_evaluates_and_exports(family, hub_dirs, tmp_path):
     folder = hub_dirs[family]
     cfg = load_config(
@@ -150,7 +157,15 @@ def test_export_refuses_a_run_without_checkpoints(tmp_path, capsys):
 # ----------------------------------------------------------------------------- TRL
 @pytest.mark.parametrize(
     "family, setting",
-    [("llada", "peft"), ("dream", "peft"), ("llada", "reference"), ("dream", "reference")],
+    [
+        ("llada", "peft"),
+        ("dream", "peft"),
+        ("a2d-qwen3", "peft"),
+        ("a2d-llama", "peft"),
+        ("llada", "reference"),
+        ("dream", "reference"),
+        ("a2d-qwen3", "reference"),
+    ],
 )
 def test_one_trl_step(family, setting, hub_dirs, tmp_path):
     """PEFT with TRL's default gradient checkpointing; or beta > 0 without PEFT, where TRL

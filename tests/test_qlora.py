@@ -1,6 +1,7 @@
 """The paper's QLoRA path (4-bit NF4 base, LoRA adapter; METHOD.md §5) on a CPU, through
-bitsandbytes' CPU backend, on tiny hub-layout LLaDA and Dream checkpoints: 4-bit layers, exact
-gradients, the paper recipe trained, checkpointed, resumed exactly, evaluated and exported."""
+bitsandbytes' CPU backend, on tiny hub-layout LLaDA, Dream and A2D Qwen3 checkpoints: 4-bit
+layers, exact gradients, the paper recipe trained, checkpointed, resumed exactly, evaluated and
+exported."""
 
 import json
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _hub import write_dream, write_llada
+from _hub_a2d import write_a2d_qwen3
 from safetensors.torch import load_file, save_file
 
 from daca.cli import main
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WRITERS = {
     "llada": lambda p: write_llada(p, d_model=64, mlp_hidden_size=128),
     "dream": lambda p: write_dream(p, hidden_size=64, intermediate_size=128),
+    "a2d-qwen3": lambda p: write_a2d_qwen3(p, hidden_size=64, intermediate_size=128),
 }
 # The paper recipe with only the model size and the lengths shrunk (and the batch with them).
 SHRUNK = [

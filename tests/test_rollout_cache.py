@@ -8,7 +8,7 @@ from conftest import random_mlm
 from daca import dps
 from daca.core.block_cache import BlockCache
 from daca.core.sampler import generate
-from daca.models.native import DreamForDiffusionLM, qwen2_config
+from daca.models.native import A2DQwen3ForDiffusionLM, DreamForDiffusionLM, a2d_config, qwen2_config
 from daca.models.tiny import new_tiny
 
 
@@ -31,6 +31,37 @@ def dream():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return DreamForDiffusionLM(qwen2_config(hub)).eval()
+
+
+def a2d_qwen3():
+    """dllm's A2D Qwen3 (its own q/k norms, an explicit head width) on a 24-token vocabulary."""
+    from transformers import Qwen3Config
+
+    hub = dict(
+        model_type="a2d-qwen3",
+        vocab_size=24,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=24,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = A2DQwen3ForDiffusionLM(a2d_config(Qwen3Config, hub)).eval()
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # norms off their 1 start: a cache skipping one shows
+                p.data += 0.2 * torch.randn_like(p)
+        return model
+
+
+def model_of(family, llada):
+    """(model, mask id, vocabulary) of a test family."""
+    if family == "llada":
+        return llada
+    return (dream(), 23, 24) if family == "dream" else (a2d_qwen3(), 23, 24)
 
 
 def left_padded(vocab, lengths, seed=0):
@@ -65,11 +96,11 @@ def x_at(rollout, step, mask_id):
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family", ["llada", "dream", "a2d-qwen3"])
 def test_cached_block_step_equals_the_full_forward(llada, mode, family):
     """The cache machinery is exact: a block step on the cache of the same x gives the full
     forward's logits (padding, positions and, for Dream, the shift handled)."""
-    model, mask_id, V = llada if family == "llada" else (dream(), 23, 24)
+    model, mask_id, V = model_of(family, llada)
     x, attn, P, L, bl, g = partly_committed(V, mask_id)
     with torch.no_grad():
         full = model(x, attention_mask=attn).logits
@@ -196,12 +227,12 @@ def test_refresh_every_counts(llada):
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family", ["llada", "dream", "a2d-qwen3"])
 def test_suffix_refresh_is_exact_on_an_unchanged_prefix(llada, mode, family):
     """A suffix refresh recomputes the block and its suffix against the cached prefix: on the
     x of the last full refresh it gives the full forward's logits, and the dual cache it leaves
     gives the full forward's logits at the next block step (also after tokens change there)."""
-    model, mask_id, V = llada if family == "llada" else (dream(), 23, 24)
+    model, mask_id, V = model_of(family, llada)
     x, attn, P, L, bl, g = partly_committed(V, mask_id)
     with torch.no_grad():
         full = model(x, attention_mask=attn).logits

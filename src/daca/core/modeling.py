@@ -54,17 +54,18 @@ def forward_logits(
 
 
 def causal_lm_backbone(model):
-    """The transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` under ``model`` (DDP's or
-    DeepSpeed's ``.module`` and PEFT looked through), or None. Those classes take
-    ``logits_to_keep`` and a KV cache; calls still go through ``model`` itself."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    """The transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
+    under ``model`` (DDP's or DeepSpeed's ``.module`` and PEFT looked through), or None. Those
+    classes take ``logits_to_keep`` and a KV cache; calls still go through ``model`` itself."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     base = model
     while isinstance(getattr(base, "module", None), torch.nn.Module):
         base = base.module
     if hasattr(base, "get_base_model"):
         base = base.get_base_model()
-    return base if isinstance(base, (LlamaForCausalLM, Qwen2ForCausalLM)) else None
+    causal_lms = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    return base if isinstance(base, causal_lms) else None
 
 
 def full_attention_mask(

@@ -1,26 +1,162 @@
-"""Per-family knowledge for training: LoRA targets, gradient checkpointing and model shapes.
+"""Per-family knowledge: the family table, LoRA targets, gradient checkpointing, model shapes.
+
+``FAMILIES`` is the one table of the checkpoint families daca runs natively
+(``daca.models.native``): which ``config.json`` model types belong to each, its mask and
+end-of-turn tokens, the special ids of its public checkpoints (a check, never the source: the
+loader reads the checkpoint's own), its LoRA targets and where its chat template comes from.
 
 Shapes feed the memory estimate of ``daca train --dry-run`` (``daca.tools.memory``), which must work
 from the config alone: a config.json (a local folder's, read as JSON with no remote code run; a
-built-in copy of LLaDA-8B's and Dream-7B's for their hub names; else the local hub cache's)
+built-in copy of the public checkpoints' for their hub names; else the local hub cache's)
 builds the model on the meta device, and the shape is read off that module.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# All attention and MLP projections (METHOD.md §5): LLaDA and Dream run on transformers' Llama
-# and Qwen2, whose module names are the standard ones. d1 targets q, k, v only.
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_TARGETS: dict[str, list[str] | str] = {"llada": PROJECTIONS, "dream": PROJECTIONS}
+# All attention and MLP projections (METHOD.md §5): every native family runs on transformers'
+# Llama, Qwen2 or Qwen3, whose module names are the standard ones. d1 targets q, k, v only.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# The sizes a Qwen2/Qwen3/Llama-style config.json must give (LLaDA's are OLMo's names).
+QWEN_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# Keys of a mixture-of-experts config.json (LLaDA-MoE's, Qwen's, Mixtral's).
+MOE_KEYS = ("num_experts", "expert_intermediate_size", "moe_intermediate_size", "num_local_experts")
+
+
+@dataclass(frozen=True)
+class KnownIds:
+    """Special-token ids of a family's public checkpoints (METHOD.md §5 for LLaDA), used to
+    check what a checkpoint with the family's vocabulary size says."""
+
+    vocab_size: int
+    mask_id: int
+    eos_ids: tuple[int, ...]
+    pad_ids: tuple[int, ...]  # any of them is one a public checkpoint uses
+
+
+@dataclass(frozen=True)
+class Family:
+    """A checkpoint family daca runs on transformers' own classes (``daca.models.native``)."""
+
+    name: str  # LoadedModel.family and daca.json's "family"; a key of native.NATIVE
+    model_types: tuple[str, ...]  # config.json's model_type, lower-cased
+    mask_token: str  # looked up in the tokenizer when config.json names no mask_token_id
+    end_tokens: tuple[str, ...]  # tokens that end a turn or a completion, beside EOS
+    chat_template: str  # where the chat prompt format comes from (docs/scale.md)
+    checkpoints: tuple[str, ...]  # public hub names of the family
+    known_ids: KnownIds | None = None
+    lora_targets: tuple[str, ...] = PROJECTIONS
+    chat_kwargs: dict = field(default_factory=dict)  # extra variables the template reads
+    required_keys: tuple[str, ...] = QWEN_KEYS  # config.json keys the translation reads
+
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            "llada",
+            ("llada",),
+            mask_token="<|mdm_mask|>",
+            end_tokens=("<|eot_id|>",),
+            chat_template="the tokenizer's (LLaDA-8B-Instruct: Llama 3 headers, <|eot_id|>)",
+            checkpoints=("GSAI-ML/LLaDA-8B-Instruct", "GSAI-ML/LLaDA-8B-Base", "GSAI-ML/LLaDA-1.5"),
+            # <|mdm_mask|>, <|endoftext|> and <|eot_id|>; the reference codes pad with EOS.
+            known_ids=KnownIds(126464, 126336, (126081, 126348), (126081,)),
+            required_keys=("d_model", "n_layers", "n_heads"),
+        ),
+        Family(
+            "dream",
+            ("dream",),
+            mask_token="<|mask|>",
+            # <|dlm_pad|>: DiffuCoder-Instruct fills a completion's tail with it after its answer.
+            end_tokens=("<|im_end|>", "<|dlm_pad|>"),
+            chat_template="the tokenizer's (Qwen2.5 ChatML)",
+            checkpoints=(
+                "Dream-org/Dream-v0-Instruct-7B",
+                "Dream-org/Dream-v0-Base-7B",
+                "Dream-org/Dream-Coder-v0-Instruct-7B",
+                "Dream-org/Dream-Coder-v0-Base-7B",
+                "apple/DiffuCoder-7B-Base",
+                "apple/DiffuCoder-7B-Instruct",
+                "apple/DiffuCoder-7B-cpGRPO",
+            ),
+            # <|mask|>, <|endoftext|> (also pad) and <|im_end|> (Qwen2.5 tokenizer).
+            known_ids=KnownIds(152064, 151666, (151643, 151645), (151643,)),
+        ),
+        # Autoregressive models turned into masked diffusion LMs by dllm's A2D recipe
+        # (dllm/pipelines/a2d): the AR architecture, attention made bidirectional, no logit
+        # shift (its MDLM trainer and sampler default to right_shift_logits=False), and
+        # <|mask|> added to the AR tokenizer (a new id, so read from the tokenizer).
+        Family(
+            "a2d-qwen3",
+            ("a2d-qwen3",),
+            mask_token="<|mask|>",
+            end_tokens=("<|im_end|>",),
+            chat_template="the tokenizer's (Qwen3 ChatML), rendered with enable_thinking=False",
+            checkpoints=("dllm-hub/Qwen3-0.6B-diffusion-mdlm-v0.1",),
+            # dllm renders Qwen3's template without thinking unless asked (dllm.utils.models).
+            chat_kwargs={"enable_thinking": False},
+        ),
+        Family(
+            "a2d-qwen2",
+            ("a2d-qwen2",),
+            mask_token="<|mask|>",
+            end_tokens=("<|im_end|>",),
+            chat_template="the tokenizer's (Qwen2.5 ChatML)",
+            checkpoints=("dllm-hub/Qwen2.5-Coder-0.5B-Instruct-diffusion-mdlm-v0.1",),
+        ),
+        Family(
+            "a2d-llama",
+            ("a2d-llama",),
+            mask_token="<|mask|>",
+            end_tokens=("<|eot_id|>",),
+            chat_template="the tokenizer's (Llama 3 headers, <|eot_id|>)",
+            checkpoints=(),
+        ),
+    )
+}
+_BY_MODEL_TYPE = {kind: family for family in FAMILIES.values() for kind in family.model_types}
+
+
+def family_of(model_type: str | None) -> str:
+    """The name of the native family of a config.json ``model_type`` (``llada``, ``dream``,
+    ``a2d-qwen3`` …), else ``mlm`` (a masked LM daca runs through ``AutoModelForMaskedLM``)."""
+    family = _BY_MODEL_TYPE.get(str(model_type or "").lower())
+    return family.name if family else "mlm"
+
+
+def config_problem(family: Family, hub: dict) -> str | None:
+    """What makes a config.json of the family's model type one its translation cannot run
+    (``daca.models.native``), or None: a mixture of experts under a dense family's name
+    (LLaDA-MoE-7B-A1B's config.json says ``llada``), or sizes it lacks."""
+    kind = hub.get("model_type")
+    moe = [key for key in MOE_KEYS if hub.get(key)]
+    if moe:
+        return (
+            f"config.json says model_type {kind!r} ({family.name}) but describes a mixture of "
+            f"experts ({moe[0]}={hub[moe[0]]}; LLaDA-MoE's checkpoints name themselves 'llada'), "
+            f"which daca does not run"
+        )
+    missing = [key for key in family.required_keys if key not in hub]
+    if missing:
+        return f"config.json says model_type {kind!r} ({family.name}) but lacks {missing}"
+    return None
+
+
+def supported_families() -> str:
+    """One phrase naming every native family and its model types, for error messages."""
+    return ", ".join(f"{f.name} (model_type {'/'.join(f.model_types)})" for f in FAMILIES.values())
 
 
 def lora_targets(bundle) -> list[str] | str:
     """PEFT ``target_modules`` for the bundle's family (other models: every linear layer)."""
-    return LORA_TARGETS.get(bundle.family, "all-linear")
+    family = FAMILIES.get(bundle.family)
+    return list(family.lora_targets) if family else "all-linear"
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -80,6 +216,21 @@ DREAM_7B_CONFIG = {
     "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu",
     "use_sliding_window": False,
 }  # fmt: skip
+# dllm's Tiny-A2D models: Qwen3-0.6B's and Qwen2.5-Coder-0.5B-Instruct's config.json fields
+# (dllm's A2D conversion keeps them; only model_type changes).
+A2D_QWEN3_06B_CONFIG = {
+    "model_type": "a2d-qwen3", "hidden_size": 1024, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+    "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
+    "use_sliding_window": False,
+}  # fmt: skip
+A2D_QWEN25_CODER_05B_CONFIG = {
+    "model_type": "a2d-qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+    "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "use_sliding_window": False,
+}  # fmt: skip
 # Keys: the last part of a hub name, lower case (a local copy is read from its config.json).
 KNOWN_CONFIGS = {
     "llada-8b-instruct": LLADA_8B_CONFIG,
@@ -87,6 +238,15 @@ KNOWN_CONFIGS = {
     "llada-1.5": LLADA_8B_CONFIG,
     "dream-v0-instruct-7b": DREAM_7B_CONFIG,
     "dream-v0-base-7b": DREAM_7B_CONFIG,
+    # Dream-Coder (from Qwen2.5-Coder-7B) and DiffuCoder: Dream's architecture at Qwen2.5-7B's
+    # shape, the widths above (the vocabulary too: 152064 rows).
+    "dream-coder-v0-instruct-7b": DREAM_7B_CONFIG,
+    "dream-coder-v0-base-7b": DREAM_7B_CONFIG,
+    "diffucoder-7b-base": DREAM_7B_CONFIG,
+    "diffucoder-7b-instruct": DREAM_7B_CONFIG,
+    "diffucoder-7b-cpgrpo": DREAM_7B_CONFIG,
+    "qwen3-0.6b-diffusion-mdlm-v0.1": A2D_QWEN3_06B_CONFIG,
+    "qwen2.5-coder-0.5b-instruct-diffusion-mdlm-v0.1": A2D_QWEN25_CODER_05B_CONFIG,
 }
 
 
@@ -100,8 +260,8 @@ def meta_module(config: dict):
 
     kind = str(config.get("model_type", "")).lower()
     with torch.device("meta"):
-        if kind in NATIVE:
-            cls, make_config, _ = NATIVE[kind]
+        if family_of(kind) in NATIVE:
+            cls, make_config, _ = NATIVE[family_of(kind)]
             return cls(make_config(config))
         from transformers import AutoConfig, AutoModelForMaskedLM
 

@@ -2,14 +2,17 @@
 
 A model is recognised by its ``config.json``'s ``model_type``:
 
-- LLaDA (``llada``: LLaDA-8B-Base/Instruct, LLaDA-1.5, and the shipped tiny models) and Dream
-  (``Dream``: Dream-v0-Base/Instruct-7B, DiffuCoder-7B) run on transformers' own Llama and Qwen2
-  classes (``daca.models.native``): the folder's ``modeling_*.py`` is never imported, whatever
-  ``trust_remote_code`` says;
-- anything else is an ``AutoModelForMaskedLM`` (remote code only with ``trust_remote_code=True``).
+- the native families of ``daca.models.families.FAMILIES`` — LLaDA (``llada``: LLaDA-8B-Base/
+  Instruct, LLaDA-1.5, the shipped tiny models), Dream (``Dream``: Dream-v0-7B, Dream-Coder-7B,
+  DiffuCoder-7B) and dllm's A2D models (``a2d-qwen3``, ``a2d-qwen2``, ``a2d-llama``) — run on
+  transformers' own Llama, Qwen2 and Qwen3 classes (``daca.models.native``): the folder's
+  ``modeling_*.py`` is never imported, whatever ``trust_remote_code`` says;
+- a masked LM transformers ships (BERT, ModernBERT …) is an ``AutoModelForMaskedLM``, and so is
+  a folder's own code with ``trust_remote_code=True``; any other model type is refused in one
+  line naming the native families, before any weights load.
 
 Mask, end-of-sequence and pad ids come from the checkpoint's config and tokenizer; the known
-values of the public LLaDA and Dream checkpoints are a check (a warning), not the source.
+values of the public checkpoints (the family table) are a check (a warning), not the source.
 
 A folder written by daca (``daca.models.save_pretrained``, every training checkpoint) also holds
 a ``daca.json``: the prompt format (``compact`` for the tiny models' task strings, ``chat``
@@ -19,7 +22,8 @@ name of its base model, which ``load`` loads first and puts the adapter on.
 The method core calls ``model(input_ids, attention_mask=...)`` with left-padded prompts and reads
 "logits at position i predict token i" (``daca.core.modeling``). A masked LM whose logits change
 under left padding even with the attention mask (it ignores the mask, or its positions are
-absolute) gets the ``bucketed_forward`` adapter, installed on the model itself, with a warning.
+absolute) gets the ``bucketed_forward`` adapter (``daca.models.padding``), installed on the model
+itself, with a warning.
 """
 
 from __future__ import annotations
@@ -31,33 +35,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
+from daca.models.families import FAMILIES, config_problem, family_of, supported_families
 from daca.models.native import NATIVE
+from daca.models.padding import (  # noqa: F401 (re-exported: load installs them)
+    adapt,
+    bucketed_forward,
+    forward_adapters,
+    install_forward_adapter,
+    left_padding_changes_logits,
+)
 from daca.shipped import SHIPPED, tiny_for_task  # noqa: F401 (tiny_for_task re-exported)
-
-
-@dataclass(frozen=True)
-class KnownIds:
-    """Special-token ids of a public checkpoint family (METHOD.md §5 for LLaDA), used to check
-    what the checkpoint says, for checkpoints with the family's vocabulary size."""
-
-    vocab_size: int
-    mask_id: int
-    eos_ids: tuple[int, ...]
-    pad_id: int
-
-
-KNOWN_IDS = {
-    # LLaDA: <|mdm_mask|>, <|endoftext|> and <|eot_id|>; the reference codes pad with EOS.
-    "llada": KnownIds(126464, mask_id=126336, eos_ids=(126081, 126348), pad_id=126081),
-    # Dream (Qwen2.5 tokenizer): <|mask|>, <|endoftext|> (also pad) and <|im_end|>.
-    "dream": KnownIds(152064, mask_id=151666, eos_ids=(151643, 151645), pad_id=151643),
-}
-# Tokens that end a turn or the text, and the mask token, by family (looked up in the tokenizer).
-END_TOKENS = {"llada": ("<|eot_id|>",), "dream": ("<|im_end|>",)}
-MASK_TOKENS = {"llada": "<|mdm_mask|>", "dream": "<|mask|>"}
 
 
 @dataclass
@@ -70,7 +58,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     mask_id: int
-    family: str  # "llada" | "dream" | "mlm"
+    family: str  # a name of daca.models.families.FAMILIES, or "mlm"
     eos_ids: tuple[int, ...]
     pad_id: int
     prompt_width: int | None = None  # left pad prompts to exactly this width (absolute positions)
@@ -217,8 +205,31 @@ def check_remote_code(path: str, hub: dict, family: str, trust_remote_code: bool
     shown = json.dumps(auto_map)[:120]
     raise ModelFolderError(
         f"{path}: config.json's auto_map {shown} names code in the model folder for model_type "
-        f"{hub.get('model_type')!r}, which daca does not run; use a LLaDA or Dream checkpoint, "
-        "or load it with daca.models.load(..., trust_remote_code=True) if you trust that code"
+        f"{hub.get('model_type')!r}, which daca does not run; use a checkpoint of a family daca "
+        f"runs natively: {supported_families()}; or load it with daca.models.load(..., "
+        "trust_remote_code=True) if you trust that code"
+    )
+
+
+def check_architecture(path: str, hub: dict, family: str, trust_remote_code: bool) -> None:
+    """ModelFolderError, before any weights load, for a model type daca cannot run: neither a
+    native family nor a masked LM transformers ships (nor the folder's own code, trusted), or a
+    native family's type on a config.json that is not that family's architecture."""
+    if family in FAMILIES:
+        if problem := config_problem(FAMILIES[family], hub):
+            raise ModelFolderError(f"{path}: {problem}; daca runs {supported_families()}")
+        return
+    if trust_remote_code and hub.get("auto_map"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    kind = hub.get("model_type")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return
+    raise ModelFolderError(
+        f"{path}: config.json's model_type {kind!r} is not a masked diffusion LM daca can run: "
+        f"the native families are {supported_families()}; other masked LMs must be a model type "
+        "transformers ships as a masked LM (bert, modernbert …)"
     )
 
 
@@ -239,12 +250,6 @@ def hub_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise ModelFolderError(f"{file} must hold a JSON object, not {type(config).__name__}")
     return config
-
-
-def family_of(model_type: str | None) -> str:
-    """``llada`` / ``dream`` for the families daca runs natively, else ``mlm``."""
-    kind = str(model_type or "").lower()
-    return kind if kind in NATIVE else "mlm"
 
 
 def load(
@@ -280,6 +285,7 @@ def load(
     hub = hub_config(path)
     family = family_of(hub.get("model_type"))
     check_remote_code(path, hub, family, trust_remote_code)
+    check_architecture(path, hub, family, trust_remote_code)
     kwargs = {"use_safetensors": True}  # never a pickle, even from the hub
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -304,6 +310,8 @@ def load(
         path, model.config, family, trust_remote_code and family not in NATIVE
     )
     mask_id, eos_ids, pad_id = special_ids(family, hub, tokenizer, path)
+    if family in NATIVE:
+        check_ids_fit(model, path, mask_id=mask_id, pad_id=pad_id)
     bundle = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -327,7 +335,7 @@ def _legacy_format(meta: dict) -> str:
 
 
 def _load_native(path: str, family: str, hub: dict, kwargs: dict):
-    """A LLaDA or Dream checkpoint into its transformers class; a weight the checkpoint lacks,
+    """A native family's checkpoint into its transformers class; a weight the checkpoint lacks,
     or one the class has no place for, is an error (not a silently random layer)."""
     cls, make_config, key_mapping = NATIVE[family]
     model, info = cls.from_pretrained(
@@ -353,7 +361,7 @@ def _load_tokenizer(path: str, config, family: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             path, config=config, trust_remote_code=trust_remote_code
         )
     except (ValueError, OSError) as e:
@@ -362,9 +370,13 @@ def _load_tokenizer(path: str, config, family: str, trust_remote_code: bool):
         from transformers import Qwen2TokenizerFast
 
         try:
-            return Qwen2TokenizerFast.from_pretrained(path)
+            tokenizer = Qwen2TokenizerFast.from_pretrained(path)
         except Exception:  # noqa: BLE001 - report the first, more telling error
             raise e from None
+    if family in FAMILIES:
+        # What the family's template reads beside the messages (daca.models.prompts.render_chat).
+        tokenizer.daca_chat_kwargs = dict(FAMILIES[family].chat_kwargs)
+    return tokenizer
 
 
 def _token_id(tokenizer, token: str) -> int | None:
@@ -380,11 +392,11 @@ def _as_ids(value) -> list[int]:
 def special_ids(family: str, hub: dict, tokenizer, path: str = "") -> tuple[int, tuple, int]:
     """(mask id, end-of-sequence ids, pad id) read off the checkpoint.
 
-    LLaDA and Dream: the mask is ``config.json``'s ``mask_token_id`` (else the tokenizer's mask
-    token); the end ids are the config's ``eos_token_id``, the tokenizer's EOS and the family's
-    end-of-turn token (the first fills targets); pad is the config's, else the tokenizer's,
-    else the first end id. Other masked LMs: the tokenizer's mask, EOS (a BERT-style
-    separator when there is none) and pad tokens.
+    Native families: the mask is ``config.json``'s ``mask_token_id`` (else the tokenizer's mask
+    token, else the family's mask token looked up in the tokenizer); the end ids are the
+    config's ``eos_token_id``, the tokenizer's EOS and the family's end tokens (the first fills
+    targets); pad is the config's, else the tokenizer's, else the first end id. Other masked
+    LMs: the tokenizer's mask, EOS (a BERT-style separator when there is none) and pad tokens.
     """
     if family not in NATIVE:
         return _tokenizer_ids(tokenizer, path)
@@ -392,11 +404,11 @@ def special_ids(family: str, hub: dict, tokenizer, path: str = "") -> tuple[int,
     if mask is None:
         mask = tokenizer.mask_token_id
         if mask is None:
-            mask = _token_id(tokenizer, MASK_TOKENS[family])
+            mask = _token_id(tokenizer, FAMILIES[family].mask_token)
     if mask is None:
         raise ValueError(f"{path}: neither config.json nor the tokenizer names a mask token")
     ends = _as_ids(hub.get("eos_token_id")) + _as_ids(tokenizer.eos_token_id)
-    ends += [i for t in END_TOKENS[family] if (i := _token_id(tokenizer, t)) is not None]
+    ends += [i for t in FAMILIES[family].end_tokens if (i := _token_id(tokenizer, t)) is not None]
     eos_ids = tuple(dict.fromkeys(ends))  # unique, in order
     if not eos_ids:
         raise ValueError(f"{path}: neither config.json nor the tokenizer names an end token")
@@ -405,6 +417,19 @@ def special_ids(family: str, hub: dict, tokenizer, path: str = "") -> tuple[int,
     pad = eos_ids[0] if pad is None else int(pad)
     _check_known(family, hub, int(mask), eos_ids, pad, path)
     return int(mask), eos_ids, pad
+
+
+def check_ids_fit(model, path: str, **ids: int) -> None:
+    """ValueError for a special id with no row in the model's embedding (a token the tokenizer
+    added without the embedding growing, as an A2D conversion of Llama 3 leaves it)."""
+    rows = model.get_input_embeddings().num_embeddings
+    for name, value in ids.items():
+        if not 0 <= value < rows:
+            raise ValueError(
+                f"{path}: the {name.removesuffix('_id')} token id {value} has no row in the "
+                f"model's {rows}-row embedding; resize the embedding to the tokenizer "
+                "(model.resize_token_embeddings(len(tokenizer))) and save it again"
+            )
 
 
 def _tokenizer_ids(tok, path: str) -> tuple[int, tuple, int]:
@@ -422,15 +447,15 @@ def _tokenizer_ids(tok, path: str) -> tuple[int, tuple, int]:
 
 
 def _check_known(family, hub, mask, eos_ids, pad, path) -> None:
-    known = KNOWN_IDS.get(family)
+    known = FAMILIES[family].known_ids
     vocab = hub.get("embedding_size") or hub.get("vocab_size")
     if known is None or vocab != known.vocab_size:
         return
-    if mask != known.mask_id or pad != known.pad_id or not set(known.eos_ids) <= set(eos_ids):
+    if mask != known.mask_id or pad not in known.pad_ids or not set(known.eos_ids) <= set(eos_ids):
         warnings.warn(
             f"{path}: special ids mask={mask}, eos={eos_ids}, pad={pad} differ from the public "
             f"{family} checkpoints' (mask={known.mask_id}, eos={known.eos_ids}, "
-            f"pad={known.pad_id}); using the checkpoint's",
+            f"pad={'/'.join(map(str, known.pad_ids))}); using the checkpoint's",
             UserWarning,
             stacklevel=3,
         )
@@ -525,136 +550,3 @@ def _base_name(bundle: LoadedModel) -> str:
     if bundle.meta.get("base_model"):
         return bundle.meta["base_model"]
     return bundle.name if bundle.name in SHIPPED else bundle.path or bundle.name
-
-
-# ----------------------------------------------------------------------------- forward adapters
-class _AdaptedForward:
-    """``model.forward`` replaced by ``adapter(previous_forward, *args, **kwargs)``.
-
-    A plain attribute holding the previous (bound) forward: ``copy.deepcopy`` of the model
-    rebinds it to the copy, and accelerate's mixed-precision wrapper wraps it like any callable.
-    """
-
-    def __init__(self, adapter, inner):
-        self.adapter, self.inner = adapter, inner
-        self.name = adapter.__name__
-
-    def __call__(self, *args, **kwargs):
-        return self.adapter(self.inner, *args, **kwargs)
-
-
-def install_forward_adapter(model: torch.nn.Module, adapter) -> bool:
-    """Route ``model(...)`` through ``adapter(inner_forward, ...)``; False if already there."""
-    names, fwd = [], model.forward
-    while isinstance(fwd, _AdaptedForward):
-        names.append(fwd.name)
-        fwd = fwd.inner
-    if adapter.__name__ in names:
-        return False
-    model.forward = _AdaptedForward(adapter, model.forward)
-    return True
-
-
-def forward_adapters(model: torch.nn.Module) -> list[str]:
-    """Names of the adapters installed on ``model``, outermost first."""
-    names, fwd = [], model.forward
-    while isinstance(fwd, _AdaptedForward):
-        names.append(fwd.name)
-        fwd = fwd.inner
-    return names
-
-
-def _logits(out) -> Tensor:
-    return out if isinstance(out, Tensor) else out.logits
-
-
-def _output(logits: Tensor):
-    from transformers.modeling_outputs import MaskedLMOutput
-
-    return MaskedLMOutput(logits=logits)
-
-
-def bucketed_forward(inner, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs):
-    """Left padding removed before the model sees it: input_ids, mask [B, T] -> logits [B, T, V].
-
-    Rows with the same number of leading pad positions (``attention_mask == 0``) run as one
-    batch on their real tokens only, so each row's logits are those of the row run alone;
-    padded positions get logits 0. Only left padding can be removed (the core pads prompts on
-    the left and never pads completions); any other mask is a ValueError.
-    """
-    if attention_mask is None or bool(attention_mask.bool().all()):
-        return inner(input_ids, attention_mask=attention_mask, **kwargs)
-    real = attention_mask.bool()
-    B, T = real.shape
-    pads = T - real.sum(1)
-    if not torch.equal(real, torch.arange(T, device=real.device)[None] >= pads[:, None]):
-        raise ValueError("bucketed_forward removes left padding only; got another attention mask")
-    # ``logits_to_keep``: an int k > 0 asks for the last k positions, a tensor for ascending
-    # positions; a bucket drops its p pad positions, so it is asked for its real ones, shifted.
-    keep = kwargs.get("logits_to_keep")
-    if isinstance(keep, Tensor):
-        rows_out = len(keep)
-    else:
-        rows_out = min(keep, T) if isinstance(keep, int) and keep > 0 else T
-    pieces, order = [], []
-    for p in pads.unique().tolist():
-        rows = (pads == p).nonzero().squeeze(1)
-        shifted = {"logits_to_keep": keep[keep >= p] - p} if isinstance(keep, Tensor) else {}
-        logits = _logits(inner(input_ids[rows, p:], **(kwargs | shifted)))
-        pieces.append(F.pad(logits, (0, 0, rows_out - logits.shape[1], 0)))
-        order.append(rows)
-    logits = torch.cat(pieces)[torch.argsort(torch.cat(order))]
-    return _output(logits)
-
-
-@torch.no_grad()
-def left_padding_changes_logits(
-    model, token_ids: list[int], pad_id: int, *, num_pad: int = 8, tol: float = 0.05
-) -> bool:
-    """Whether adding ``num_pad`` left pad tokens (attention mask 0) changes the real tokens'
-    logits by more than ``tol``, relative to the spread of the logits:
-    ``‖a − b‖ / ‖a − mean_v(a)‖`` over the real positions but the first, whose row means nothing
-    to a shifted family like Dream (bf16 rounding stays near 1e-2; a model that attends to the
-    padding moves its logits by a large fraction of their spread)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    padded = torch.cat([torch.full((1, num_pad), pad_id, device=device), ids], dim=1)
-    mask = torch.ones_like(padded)
-    mask[:, :num_pad] = 0
-    was_training = model.training
-    model.eval()
-    try:
-        a = _logits(model(ids))[:, 1:].float()
-        b = _logits(model(padded, attention_mask=mask))[:, num_pad + 1 :].float()
-    finally:
-        model.train(was_training)
-    spread = (a - a.mean(-1, keepdim=True)).norm()
-    return bool((a - b).norm() > tol * spread)
-
-
-def _probe_ids(bundle: LoadedModel) -> list[int]:
-    """A short prompt-like input: digits and symbols every tokenizer has, then masks."""
-    ids = []
-    if bundle.tokenizer is not None:
-        ids = bundle.tokenizer("12 + 34 = 46, 5 * 6 = 30", add_special_tokens=False)["input_ids"]
-    ids = [i for i in ids if i not in (bundle.pad_id, bundle.mask_id)][:16] or list(range(1, 9))
-    return ids + [bundle.mask_id] * 4
-
-
-def adapt(bundle: LoadedModel, *, check_padding: bool = True) -> LoadedModel:
-    """If left padding changes the logits, install the length-bucketed forward (with a
-    warning). Idempotent; returns ``bundle``."""
-    if check_padding and left_padding_changes_logits(
-        bundle.model, _probe_ids(bundle), bundle.pad_id
-    ):
-        install_forward_adapter(bundle.model, bucketed_forward)
-        bundle.ignores_attention_mask = True
-        warnings.warn(
-            f"{bundle.path or bundle.family}: left padding changes this model's logits even "
-            "with the attention mask (the model ignores attention_mask, or its positions are "
-            "absolute); prompts of different lengths now run in separate batches, one forward "
-            "per distinct prompt length, which is slower. Update the model's code if you can.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return bundle

@@ -1,17 +1,20 @@
-"""LLaDA and Dream on transformers' own Llama and Qwen2 classes: no remote code.
+"""The native families on transformers' own Llama, Qwen2 and Qwen3 classes: no remote code.
 
 LLaDA-8B (and LLaDA-1.5, and the embedded tiny models) is a Llama block — RMSNorm, rotate-half
-RoPE, SwiGLU, no bias, untied head — with bidirectional attention; Dream-7B (and DiffuCoder) is
-Qwen2 with bidirectional attention whose logits are shifted right by one. So a checkpoint of
-either family loads into ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with:
+RoPE, SwiGLU, no bias, untied head — with bidirectional attention; Dream-7B (and Dream-Coder,
+DiffuCoder) is Qwen2 with bidirectional attention whose logits are shifted right by one; an
+A2D model (dllm's autoregressive-to-diffusion recipe) is its AR architecture — Qwen3, Qwen2 or
+Llama — with bidirectional attention and no shift. So a checkpoint of each family loads into
+``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` with:
 
-- a config translated from the hub's ``config.json`` (``llama_config``, ``qwen2_config``),
-  ``is_causal`` off in the config (transformers then builds a bidirectional mask) and in every
-  attention module (so SDPA never falls back to its causal kernel when no mask is passed);
+- a config translated from the hub's ``config.json`` (``llama_config``, ``qwen2_config``; an
+  A2D config.json is its AR class's config already, ``a2d_config``), ``is_causal`` off in the
+  config (transformers then builds a bidirectional mask) and in every attention module (so
+  SDPA never falls back to its causal kernel when no mask is passed);
 - LLaDA's state-dict keys mapped onto Llama's while loading (``LLADA_KEYS``, transformers'
-  public ``key_mapping``); Dream's keys are already Qwen2's.
+  public ``key_mapping``); Dream's and A2D's keys are their transformers class's already.
 
-The two classes below are those transformers classes with four changes: causality off,
+The classes below are those transformers classes with four changes: causality off,
 positions counted from the first real token of a left-padded row (so a padded row equals the
 row alone), Dream's shift undone (logits at i predict token i, the core's contract in
 ``daca.core.modeling``), and ``save_pretrained`` writing the family's hub layout back (hub key
@@ -22,12 +25,21 @@ family's own code alike. Everything else — SDPA, gradient checkpointing, cache
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # LLaDA's hub names beside Llama's: the model's top level, then each block's.
 _TOP_NAMES = [("wte", "model.embed_tokens"), ("ln_f", "model.norm"), ("ff_out", "lm_head")]
@@ -190,19 +202,55 @@ def qwen2_config(hub: dict, **overrides) -> Qwen2Config:
     return _bidirectional_config(config, hub)
 
 
-def dream_hub_config(config: Qwen2Config) -> dict:
-    """The Dream ``config.json`` of a Qwen2 config: the original fields, sizes from ``config``."""
-    hub = dict(getattr(config, "hub_config", None) or {"model_type": "Dream"})
-    hub.update(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        tie_word_embeddings=bool(config.tie_word_embeddings),
-    )
+# The size fields of a Qwen2/Qwen3/Llama-style config.json, written back from the model.
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def sized_hub_config(config, model_type: str) -> dict:
+    """The hub ``config.json`` of a Qwen2/Qwen3/Llama config: the original fields (a model
+    made from scratch: just ``model_type``), sizes from ``config``."""
+    hub = dict(getattr(config, "hub_config", None) or {"model_type": model_type})
+    hub.update({key: getattr(config, key) for key in _SIZES})
+    hub["tie_word_embeddings"] = bool(config.tie_word_embeddings)
+    if "head_dim" in hub:
+        hub["head_dim"] = config.head_dim
     return hub
+
+
+dream_hub_config = partial(sized_hub_config, model_type="Dream")
+
+# config.json fields that describe the file or the AR model's own loading, not the
+# architecture; the rest of an A2D config.json is its AR class's config as it stands.
+_NOT_ARCHITECTURE = (
+    "model_type",
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_name_or_path",
+    "use_cache",
+    "pad_token_id",  # an embedding padding_idx would freeze the pad row
+)
+
+
+def a2d_config(config_class, hub: dict, **overrides):
+    """The Qwen3/Qwen2/Llama config of an A2D ``config.json`` (dllm's ``A2D*Config``: the AR
+    config with a new ``model_type``)."""
+    if hub.get("use_sliding_window"):
+        # dllm's A2D forward gives sliding-window layers the full bidirectional mask.
+        raise ValueError("this A2D checkpoint sets use_sliding_window, which daca rejects")
+    # A copy: transformers writes into the nested rope dict, which must go back to disk as read.
+    fields = copy.deepcopy({k: v for k, v in hub.items() if k not in _NOT_ARCHITECTURE})
+    config = config_class(**(fields | {"pad_token_id": None, **overrides}))
+    return _bidirectional_config(config, hub)
 
 
 def _bidirectional_config(config, hub: dict):
@@ -325,8 +373,29 @@ class DreamForDiffusionLM(_HubLayout, _Bidirectional, Qwen2ForCausalLM):
         return {"generation_config.json": {k: hub[k] for k in ids if hub.get(k) is not None}}
 
 
-# Keys: the lower-cased ``model_type`` of a hub config.json.
+class A2DQwen3ForDiffusionLM(_HubLayout, _Bidirectional, Qwen3ForCausalLM):
+    """transformers' ``Qwen3ForCausalLM`` run as dllm's A2D Qwen3 (``a2d-qwen3``)."""
+
+    hub_config_of = staticmethod(partial(sized_hub_config, model_type="a2d-qwen3"))
+
+
+class A2DQwen2ForDiffusionLM(_HubLayout, _Bidirectional, Qwen2ForCausalLM):
+    """transformers' ``Qwen2ForCausalLM`` run as dllm's A2D Qwen2 (``a2d-qwen2``)."""
+
+    hub_config_of = staticmethod(partial(sized_hub_config, model_type="a2d-qwen2"))
+
+
+class A2DLlamaForDiffusionLM(_HubLayout, _Bidirectional, LlamaForCausalLM):
+    """transformers' ``LlamaForCausalLM`` run as dllm's A2D Llama (``a2d-llama``)."""
+
+    hub_config_of = staticmethod(partial(sized_hub_config, model_type="a2d-llama"))
+
+
+# Keys: the family names of daca.models.families.FAMILIES.
 NATIVE = {
     "llada": (LLaDAForDiffusionLM, llama_config, LLADA_KEYS),
     "dream": (DreamForDiffusionLM, qwen2_config, None),
+    "a2d-qwen3": (A2DQwen3ForDiffusionLM, partial(a2d_config, Qwen3Config), None),
+    "a2d-qwen2": (A2DQwen2ForDiffusionLM, partial(a2d_config, Qwen2Config), None),
+    "a2d-llama": (A2DLlamaForDiffusionLM, partial(a2d_config, LlamaConfig), None),
 }

@@ -116,12 +116,16 @@ def _template_problem(text: str) -> str | None:
 def render_chat(tok, messages, *, seconds: float | None = None) -> str:
     """``tok.apply_chat_template`` (generation prompt added, as text) within ``seconds``
     (default CHAT_TEMPLATE_SECONDS): ChatTemplateError, one line, for a template that fails, is
-    too slow or renders too much."""
+    too slow or renders too much. The template also reads the variables the model's family
+    sets (``daca_chat_kwargs``, set on load from ``daca.models.families.FAMILIES``)."""
     seconds = CHAT_TEMPLATE_SECONDS if seconds is None else seconds
     check_chat_template(tok)
+    extra = getattr(tok, "daca_chat_kwargs", None) or {}
     try:
         with _deadline(seconds):
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **extra
+            )
     except _TemplateDeadline:
         raise ChatTemplateError(
             f"the tokenizer's chat_template did not render a prompt within {seconds:g} s "
