@@ -108,6 +108,51 @@ def test_oracle_multipliers_leave_out_what_is_not_valid_and_gather_every_process
         oracle_multipliers(labels[:, :3], advantages, reference, valid)
 
 
+def test_the_oracle_gets_dps_s_clamp_and_centring_in_dps_s_order():
+    """dps.clamp_min and dps.center shape the oracle's multipliers as they shape DPS's (clamp,
+    then centre), worked out by hand; without them the oracle's own can fall below 0."""
+    from daca.train.rollout import RolloutBatch, oracle_credit
+
+    def batch(labels, advantages, reference, mask):
+        n = len(labels)
+        return RolloutBatch(
+            prompt_ids=torch.zeros(n, 1, dtype=torch.long),
+            prompt_mask=torch.ones(n, 1, dtype=torch.long),
+            completion_ids=torch.zeros(n, 4, dtype=torch.long),
+            completion_mask=torch.tensor(mask),
+            rewards=torch.zeros(n),
+            advantages=torch.tensor(advantages),
+            multipliers=torch.tensor(reference),
+            labels=torch.tensor(labels),
+        )
+
+    # Two micro-batches of one step; reference mean 1, spread 2 over the 6 valid tokens.
+    batches = [
+        batch([[1, -1, 0, 0]], [1.0], [[3.0, -1.0, 3.0, 0.0]], [[1, 1, 1, 0]]),
+        batch([[1, 1, -1, 0]], [-1.0], [[-1.0, 3.0, -1.0, 0.0]], [[1, 1, 1, 0]]),
+    ]
+    # o = label * sign(A) = [1, -1, 0 | -1, -1, 1]: mean -1/6, E o² 5/6, std sqrt(29)/6.
+    mean_o, std_o = -1 / 6, math.sqrt(29) / 6
+    raw = [[1 + 2 * (o - mean_o) / std_o for o in row] for row in ([1, -1, 0], [-1, -1, 1])]
+    plain, stats = oracle_credit(batches)
+    assert stats["dps/oracle_min"] == pytest.approx(min(min(row) for row in raw), abs=1e-6)
+    assert stats["dps/oracle_max"] == pytest.approx(max(max(row) for row in raw), abs=1e-6)
+    assert torch.allclose(plain[0][0, :3], torch.tensor(raw[0]), atol=1e-6)
+    assert plain[1][0, :3].min() < 0  # the flip clamp_min exists for
+
+    clamped = [[max(v, 0.0) for v in row] for row in raw]
+    got, _ = oracle_credit(batches, clamp_min=0.0)
+    for g, want in zip(got, clamped, strict=True):
+        assert torch.allclose(g[0, :3], torch.tensor(want), atol=1e-6)
+    assert got[0][0, 3] == pytest.approx(1.0)  # not valid: the reference mean, unclamped
+
+    centred = [[v - sum(row) / 3 + 1 for v in row] for row in clamped]
+    got, _ = oracle_credit(batches, clamp_min=0.0, center="sequence")
+    for g, want in zip(got, centred, strict=True):
+        assert torch.allclose(g[0, :3], torch.tensor(want), atol=1e-6)
+        assert g[0, :3].mean().item() == pytest.approx(1.0)
+
+
 def test_oracle_credit_trains_with_the_recorded_dps_mean_and_spread(tmp_path):
     """Two steps of Diffu-GRPO with the oracle on the shipped trace model: the recorded
     multipliers are the hand formula of the recorded DPS multipliers, labels and advantages."""

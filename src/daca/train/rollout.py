@@ -144,18 +144,35 @@ def completion_labels(bundle: LoadedModel, task: Task, completion_ids: Tensor, r
 
 
 def oracle_credit(
-    batches: list[RolloutBatch], gather=None
+    batches: list[RolloutBatch],
+    gather=None,
+    *,
+    clamp_min: float | None = None,
+    center: str = "none",
 ) -> tuple[list[Tensor], dict[str, float]]:
     """The oracle-credit control over one optimizer step (``daca.core.dps.oracle_multipliers``):
     each micro-batch's multipliers from its ``labels`` and advantages, with the mean and spread
-    of the DPS multipliers it carries over all the step's micro-batches and processes."""
+    of the DPS multipliers it carries over all the step's micro-batches and processes. Then the
+    shaping DPS's own multipliers get, in DPS's order (METHOD.md §2): ``clamp_min`` (``dps.
+    clamp_min``), then ``center="sequence"`` (``dps.center``), so the control differs from DPS in
+    the credit alone."""
 
     def cat(name: str) -> Tensor:
         return torch.cat([getattr(b, name) for b in batches])
 
+    mask = cat("completion_mask")
     multipliers, stats = dps.oracle_multipliers(
-        cat("labels"), cat("advantages"), cat("multipliers"), cat("completion_mask"), gather=gather
+        cat("labels"), cat("advantages"), cat("multipliers"), mask, gather=gather
     )
+    if clamp_min is not None:
+        multipliers = multipliers.clamp_min(clamp_min)
+    if center == "sequence":
+        multipliers = dps.center_per_sequence(multipliers, mask)
+    # Their range on this process (DPS's own range is dps/multiplier_min, _max): few graded
+    # tokens make std(o) small and the oracle's extremes large.
+    shaped = multipliers[mask.bool()]
+    if shaped.numel():
+        stats |= {"dps/oracle_min": float(shaped.min()), "dps/oracle_max": float(shaped.max())}
     return list(multipliers.split([b.labels.shape[0] for b in batches])), stats
 
 
@@ -377,7 +394,9 @@ class RolloutSteps:
         for batch, mult in zip(batches, multipliers, strict=True):
             batch.multipliers = mult
         if self.cfg.dps.enabled and self.cfg.dps.credit == "oracle":
-            oracle, oracle_stats = oracle_credit(batches, gather)
+            oracle, oracle_stats = oracle_credit(
+                batches, gather, clamp_min=self.cfg.dps.clamp_min, center=self.cfg.dps.center
+            )
             stats.update(oracle_stats)
             for batch, mult in zip(batches, oracle, strict=True):
                 batch.dps_multipliers, batch.multipliers = batch.multipliers, mult
