@@ -15,6 +15,9 @@ SHIPPED = {
     "tiny": TINY_PATH,
     "tiny-countdown": TINY_PATH.parent / "tiny-countdown",
     "tiny-sudoku-trace": TINY_PATH.parent / "tiny-sudoku-trace",
+    # The same architecture and task stopped early in pretraining (step 120, inside the jump in
+    # which the answer is learned): a start with room to learn by RL (docs/results.md, headroom).
+    "tiny-sudoku-trace-early": TINY_PATH.parent / "tiny-sudoku-trace-early",
     "tiny-countdown-trace": TINY_PATH.parent / "tiny-countdown-trace",
 }
 # The shipped model that ``"tiny"`` means for a task (others: ``"tiny"``, the Sudoku model).
