@@ -222,6 +222,18 @@ def a2d_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# tokenizer_config.json of the Qwen A2D models (Qwen3's and Qwen2.5's tokenizers alike).
+CHATML_TOKENIZER = {
+    "bos_token": None,
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "mask_token": "<|mask|>",
+    "chat_template": QWEN3_CHAT_TEMPLATE,
+    "errors": "replace",
+    "split_special_tokens": False,
+}
+
+
 def _write(path, config, specials, tokenizer_config, module, seed, shards) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -237,15 +249,7 @@ def write_a2d_qwen3(
 ) -> Path:
     """A tiny dllm-hub/Qwen3-0.6B-diffusion-mdlm-v0.1 folder (``mask_token_id`` moves
     ``<|mask|>`` in the tokenizer, to test that the id is read, not assumed)."""
-    tokenizer = {
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "mask_token": "<|mask|>",
-        "chat_template": QWEN3_CHAT_TEMPLATE,
-        "errors": "replace",
-        "split_special_tokens": False,
-    }
+    tokenizer = CHATML_TOKENIZER
     config = a2d_qwen3_config(**widths)
     specials = {**QWEN3_SPECIALS, "<|mask|>": mask_token_id}
     return _write(path, config, specials, tokenizer, "modeling_qwen3", seed, shards)
@@ -256,15 +260,7 @@ def write_a2d_qwen2(
 ) -> Path:
     """A tiny dllm-hub/Qwen2.5-Coder-0.5B-Instruct-diffusion-mdlm-v0.1 folder (see
     ``write_a2d_qwen3`` for ``mask_token_id``)."""
-    tokenizer = {
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "mask_token": "<|mask|>",
-        "chat_template": QWEN3_CHAT_TEMPLATE,  # the same ChatML; Qwen2.5 has no think block
-        "errors": "replace",
-        "split_special_tokens": False,
-    }
+    tokenizer = CHATML_TOKENIZER  # the same ChatML; Qwen2.5 has no think block
     config = a2d_qwen2_config(**widths)
     specials = {**QWEN25_SPECIALS, "<|mask|>": mask_token_id}
     return _write(path, config, specials, tokenizer, "modeling_qwen2", seed, shards)

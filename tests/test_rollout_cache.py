@@ -18,16 +18,22 @@ def llada():
     return model, tok.mask_token_id, len(tok)
 
 
-def dream():
-    hub = dict(
-        model_type="Dream",
+def _tiny_hub(model_type: str, **extra) -> dict:
+    """A 2-layer, width-32 config.json on a 24-token vocabulary."""
+    return dict(
+        model_type=model_type,
         vocab_size=24,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
+        **extra,
     )
+
+
+def dream():
+    hub = _tiny_hub("Dream")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return DreamForDiffusionLM(qwen2_config(hub)).eval()
@@ -37,17 +43,7 @@ def a2d_qwen3():
     """dllm's A2D Qwen3 (its own q/k norms, an explicit head width) on a 24-token vocabulary."""
     from transformers import Qwen3Config
 
-    hub = dict(
-        model_type="a2d-qwen3",
-        vocab_size=24,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=24,
-        tie_word_embeddings=True,
-    )
+    hub = _tiny_hub("a2d-qwen3", head_dim=24, tie_word_embeddings=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = A2DQwen3ForDiffusionLM(a2d_config(Qwen3Config, hub)).eval()

@@ -308,7 +308,7 @@ def model_shape(name_or_path: str | None) -> tuple[ModelShape, str]:
 def _config_of(name: str) -> tuple[dict, str]:
     """A folder's config.json, else the built-in copy of a known hub name's, else the hub
     cache's; read as JSON (no remote code runs)."""
-    from daca.models.loading import SHIPPED
+    from daca.shipped import SHIPPED
 
     folder = SHIPPED.get(name, Path(name))
     if (folder / "config.json").is_file():

@@ -9,14 +9,10 @@ absolute, gives a padded row other logits than the row alone; ``adapt`` detects 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-if TYPE_CHECKING:  # loading imports this module
-    from daca.models.loading import LoadedModel
 
 
 class _AdaptedForward:
@@ -123,7 +119,7 @@ def left_padding_changes_logits(
     return bool((a - b).norm() > tol * spread)
 
 
-def _probe_ids(bundle: LoadedModel) -> list[int]:
+def _probe_ids(bundle) -> list[int]:
     """A short prompt-like input: digits and symbols every tokenizer has, then masks."""
     ids = []
     if bundle.tokenizer is not None:
@@ -132,8 +128,9 @@ def _probe_ids(bundle: LoadedModel) -> list[int]:
     return ids + [bundle.mask_id] * 4
 
 
-def adapt(bundle: LoadedModel, *, check_padding: bool = True) -> LoadedModel:
-    """If left padding changes the logits, install the length-bucketed forward (with a
+def adapt(bundle, *, check_padding: bool = True):
+    """If left padding changes the logits of ``bundle`` (a ``daca.models.loading.LoadedModel``,
+    not imported: loading imports this module), install the length-bucketed forward (with a
     warning). Idempotent; returns ``bundle``."""
     if check_padding and left_padding_changes_logits(
         bundle.model, _probe_ids(bundle), bundle.pad_id
