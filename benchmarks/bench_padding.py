@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from daca.models.loading import bucketed_forward
 from daca.models.native import LLaDAForDiffusionLM, llama_config
+from daca.models.padding import bucketed_forward
 
 FULL = dict(layers=4, d=512, heads=8, mlp=1376, rows_per_length=2, reps=5)
 QUICK = dict(layers=2, d=256, heads=4, mlp=688, rows_per_length=1, reps=3)

@@ -26,14 +26,13 @@ from daca.models.families import (
     model_shape,
     shape_from_config,
 )
-from daca.models.loading import (
-    LoadedModel,
+from daca.models.loading import LoadedModel, load
+from daca.models.padding import (
     adapt,
     bucketed_forward,
     forward_adapters,
     install_forward_adapter,
     left_padding_changes_logits,
-    load,
 )
 from daca.models.tiny import build_model, build_tokenizer, tiny_config
 

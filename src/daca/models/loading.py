@@ -38,13 +38,7 @@ import torch
 
 from daca.models.families import FAMILIES, config_problem, family_of, supported_families
 from daca.models.native import NATIVE
-from daca.models.padding import (  # noqa: F401 (re-exported: load installs them)
-    adapt,
-    bucketed_forward,
-    forward_adapters,
-    install_forward_adapter,
-    left_padding_changes_logits,
-)
+from daca.models.padding import adapt
 from daca.shipped import SHIPPED, tiny_for_task  # noqa: F401 (tiny_for_task re-exported)
 
 

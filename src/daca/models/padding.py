@@ -32,11 +32,7 @@ class _AdaptedForward:
 
 def install_forward_adapter(model: torch.nn.Module, adapter) -> bool:
     """Route ``model(...)`` through ``adapter(inner_forward, ...)``; False if already there."""
-    names, fwd = [], model.forward
-    while isinstance(fwd, _AdaptedForward):
-        names.append(fwd.name)
-        fwd = fwd.inner
-    if adapter.__name__ in names:
+    if adapter.__name__ in forward_adapters(model):
         return False
     model.forward = _AdaptedForward(adapter, model.forward)
     return True
