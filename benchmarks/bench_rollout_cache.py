@@ -8,6 +8,11 @@ CPU time of each (one thread), the speed-up over "none", the cost model's bound 
 fraction of the bound reached (target >= 90 % with the trace), and the share of the traced
 rollout spent inside the model's forwards (the rest is the sampler and the trace).
 
+``--memory``: the peak resident memory one rollout adds (a fresh process per variant, glibc's
+defaults, so that freed activations leave the process), "none" against "dual", at d 512 and
+batch 8 (T 16): the dual rollout's extra memory over "none", as a multiple of the cache's own
+bytes (2 x layers x B x heads x (P + L) x head width x 4): 1.0 would be the cache alone.
+
 ``--variants``: one size (8 layers, d 512, V 32k, P 128; ``--quick`` smaller), every variant:
 "none", "prefix" and "dual", each without and with ``dps_stride``, and "dual" with
 ``trace_refresh="suffix"`` (a recorded step recomputes only the block and its suffix), with the
@@ -24,11 +29,14 @@ refresh L - block start): what the cache saves if a forward's cost were its quer
     python benchmarks/bench_rollout_cache.py --batch 1      # the same, one sequence
     python benchmarks/bench_rollout_cache.py --variants     # 8 layers, d 512, V 32k, every variant
     python benchmarks/bench_rollout_cache.py --variants --quick   # 4 layers, d 256, V 8k, L 64
+    python benchmarks/bench_rollout_cache.py --memory       # d 512, batch 8: peak memory
 """
 
 import argparse
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -180,6 +188,33 @@ def every_variant(args):
         print(f"{name:<22}{t:>8.1f}{base / t:>9.2f}x{bound:>7.2f}x  {forwards[v]}")
 
 
+def peak_added(mode: str, name: str, batch: int) -> None:
+    """(child) Print the peak RSS, in bytes, that one rollout of ``mode`` adds."""
+    arch = SIZES[name]
+    size = SETTING | arch | {"T": 16}  # 2 steps per block: every refresh, fewer steps
+    model = random_llada(**arch, vocab=size["vocab"], positions=size["prompt"] + size["L"])
+    prompt = prompts(size, batch)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    timed(model, prompt, size, mode, None)
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # KiB on Linux
+
+
+def by_memory(args):
+    """The ``--memory`` table: none and dual, each in a fresh process."""
+    name, batch = "d512", args.batch
+    arch, size = SIZES[name], SETTING | SIZES[name]
+    cache_bytes = 2 * arch["layers"] * batch * (size["prompt"] + size["L"]) * arch["d"] * 4
+    added = {}
+    for mode in ("none", "dual"):
+        cmd = [sys.executable, __file__, "--as-is", "--memory-child", mode, name, str(batch)]
+        added[mode] = int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    extra = added["dual"] - added["none"]
+    print(f"random LLaDA {name}, {SETTING | {'T': 16}}, batch {batch}: peak RSS a rollout adds")
+    print(f"none {added['none'] / 2**20:.0f} MiB, dual {added['dual'] / 2**20:.0f} MiB; "
+          f"dual - none {extra / 2**20:.0f} MiB = {extra / cache_bytes:.2f}x the cache's "
+          f"{cache_bytes / 2**20:.0f} MiB")  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--variants", action="store_true", help="every variant at one size")
@@ -189,7 +224,17 @@ def main():
     ap.add_argument("--stride", type=int, default=4)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--as-is", action="store_true", help="keep glibc's default allocator settings")
+    ap.add_argument("--memory", action="store_true", help="peak memory of none and dual")
+    ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory or args.memory_child:
+        torch.set_num_threads(1)
+        if args.memory_child:
+            peak_added(args.memory_child[0], args.memory_child[1], int(args.memory_child[2]))
+        else:
+            args.batch = args.batch or 8
+            by_memory(args)
+        return
     with_steady_allocator()
     torch.set_num_threads(1)
     if args.variants:

@@ -13,8 +13,10 @@ random LLaDA models of ``bench_rollout_cache.py`` (d 128, 256, 512; P 64, L 256,
 - sampler: the rest of each step (Python, commits, births).
 
 Printed: ms per step of each part and its share (the timers themselves add a little to
-"model, rest": a hook per linear layer), and a refresh's time over a dual block step's, which
-the cost model takes to be (P + L) / block = 10.
+"model, rest": a hook per linear layer), a refresh's time over a dual block step's, which
+the cost model takes to be (P + L) / block = 10, and the share of a block step that a model of
+the same depth at width 16 also spends ("fixed": its arithmetic is negligible, so what is
+left is what a forward pays per call whatever its width: the layers' Python and dispatch).
 
     python benchmarks/profile_rollout_step.py              # batch 1 and 8
     python benchmarks/profile_rollout_step.py --batch 8
@@ -119,12 +121,15 @@ def profile(name: str, batch: int, stride: int) -> None:
     seconds["model, rest"] += seconds.pop("model")
     per_step = 1e3 / size["T"]
     cells = "".join(f"{seconds[p] * per_step:>8.2f} {seconds[p] / total:>4.0%}" for p in PARTS)
-    ratio = forward_ratio(model, size, prompt)
-    print(f"{name:<6}{batch:>6}{total * per_step:>9.2f}{cells}{ratio:>12.1f}", flush=True)
+    full, block = forward_times(model, size, prompt)
+    narrow = random_llada(SIZES[name]["layers"], 16, 2, size["vocab"], size["prompt"] + size["L"])
+    fixed = forward_times(narrow, size, prompt)[1] / block
+    print(f"{name:<6}{batch:>6}{total * per_step:>9.2f}{cells}{full / block:>12.1f}{fixed:>7.0%}")
 
 
-def forward_ratio(model, size, prompt, repeats=5) -> float:
-    """A refresh's time over a dual block step's (the cost model takes (P + L) / block)."""
+def forward_times(model, size, prompt, repeats=5) -> tuple[float, float]:
+    """Seconds of a refresh and of a dual block step (the cost model takes their ratio to be
+    (P + L) / block)."""
     P, L, bl = size["prompt"], size["L"], size["block"]
     x = torch.cat([prompt, torch.full((prompt.shape[0], L), size["vocab"] - 1)], 1)
     cache = block_cache.BlockCache(model, "dual", None, P, P + L)
@@ -135,12 +140,10 @@ def forward_ratio(model, size, prompt, repeats=5) -> float:
         t0 = time.process_time()
         for _ in range(repeats):
             fn()
-        return time.process_time() - t0
+        return (time.process_time() - t0) / repeats
 
     with torch.no_grad():
-        full = seconds(lambda: cache.refresh(x, lo, hi, L))
-        block = seconds(lambda: cache.block(x, lo, hi))
-    return full / block
+        return seconds(lambda: cache.refresh(x, lo, hi, L)), seconds(lambda: cache.block(x, lo, hi))
 
 
 def main() -> None:
@@ -152,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"dual cache, trace stride {args.stride}, {SETTING}; ms per step (share of the step)")
     head = f"{'size':<6}{'batch':>6}{'step':>9}" + "".join(f"{p:>13}" for p in PARTS)
-    print(head + f"{'full/block':>12}")
+    print(head + f"{'full/block':>12}{'fixed':>7}")
     for batch in args.batch:
         for name in args.sizes:
             profile(name, batch, args.stride)

@@ -139,6 +139,31 @@ def test_a_block_step_leaves_the_cache_as_the_refresh_left_it(llada, mode, famil
             assert torch.equal(lay.values[..., : lay.cached, :], values)
 
 
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_every_refresh_rewrites_the_first_one_s_buffers(llada, mode, family):
+    """A refresh copies its keys into the buffers the first refresh made (no new cache per
+    refresh) and leaves nothing of an earlier block or input behind: a cache refreshed block
+    after block, on changing tokens, steps bit for bit as a fresh cache of that block."""
+    model, mask_id, V = llada if family == "llada" else (dream(), 23, 24)
+    x, attn, P, L, bl, g = partly_committed(V, mask_id)
+    reused = BlockCache(model, mode, attn, P, P + L)
+    with torch.no_grad():
+        for c in range(L // bl):
+            lo, hi = c * bl, (c + 1) * bl
+            x = x.clone()
+            x[:, P + lo] = torch.randint(4, V - 1, (3,), generator=g)  # a new input each block
+            reused.refresh(x, lo, hi, L)
+            if c == 0:
+                buffers = [t.data_ptr() for t in reused.keys + reused.values]
+            fresh = BlockCache(model, mode, attn, P, P + L)
+            fresh.refresh(x, lo, hi, L)
+            assert torch.equal(reused.block(x, lo, hi), fresh.block(x, lo, hi))
+            assert [t.data_ptr() for t in reused.keys + reused.values] == buffers
+            slots = [lay.keys.data_ptr() for lay in reused.cache.layers]
+            assert slots == buffers[: len(reused.keys)]
+
+
 @pytest.mark.parametrize("cfg_scale", [0.0, 1.0])
 def test_dual_refreshed_every_step_equals_none(llada, cfg_scale):
     model, mask_id, V = llada

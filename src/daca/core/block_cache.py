@@ -50,6 +50,20 @@ class _SlotLayer(DynamicLayer):
         return _SlotLayer(self.keys[rows], self.values[rows], self.cached)
 
 
+class _RefreshLayer(DynamicLayer):
+    """A refresh's layer: the full forward attends to its keys and values as computed, and
+    ``store`` copies what later block steps read into the cache's buffers, once (a
+    ``DynamicLayer`` would first concatenate them onto an empty tensor, a copy of its own)."""
+
+    def __init__(self, store):
+        super().__init__()
+        self.store = store
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        self.store(key_states, value_states)
+        return key_states, value_states
+
+
 class BlockCache:
     """A block KV cache over transformers' cache classes (docs/rollouts.md).
 
@@ -60,7 +74,8 @@ class BlockCache:
     into the cache's slot for the block (``_SlotLayer``). Keys are cached after RoPE, so every
     forward passes explicit ``position_ids`` (counted from the first real token of a left-padded
     row, as the full forward) and a 2-D padding mask over [cache, query] in the order the keys
-    are stored (dual: prefix, suffix, block).
+    are stored (dual: prefix, suffix, block). They live in one buffer per layer, made at the
+    first refresh; every later refresh copies its keys into it once, in that order.
 
     Every call takes ``rows``, the batch rows to run (None: all): under parallel decoding a row
     that has finished the block takes no step, and rows on their own clocks may need different
@@ -81,6 +96,9 @@ class BlockCache:
             self.pos = torch.arange(total)[None]
         else:
             self.pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
+        # per layer, keys and values [B, H, P+L, D] in the order block steps read them
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
         self.cache = None
 
     def _query_start(self, lo: int) -> int:
@@ -125,46 +143,50 @@ class BlockCache:
             return self.cache
         return Cache(layers=[lay.rows(rows) for lay in self.cache.layers])
 
-    def _store(self, cache, rows: Tensor | None) -> None:
-        """Keep the positions outside the query span of ``cache`` as the cache of ``rows``."""
-        cache = self._outside_query(cache)
-        if rows is None:
-            self.cache = cache
-            return
-        for mine, new in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys[rows], mine.values[rows] = new.keys, new.values
+    def _store(self, layer: int, rows: Tensor | None, keys: Tensor, values: Tensor) -> None:
+        """Copy the positions outside the query span of a forward's ``keys``/``values`` (every
+        position, in order) into layer ``layer``'s buffers, rows ``rows``: the prefix before
+        ``a`` and, for ``dual``, the suffix after the block. The slot is left as it is: every
+        block step writes all of it before attending."""
+        if len(self.keys) <= layer:  # the first refresh (of every row) makes the buffers
+            if rows is not None:
+                raise RuntimeError("BlockCache: a refresh of some rows before one of all rows")
+            self.keys.append(torch.empty_like(keys, memory_format=torch.contiguous_format))
+            self.values.append(torch.empty_like(values, memory_format=torch.contiguous_format))
+        a, cut_from, total = self.a, self.P + self.hi, keys.shape[-2]
+        pieces = [(slice(0, a), slice(0, a))]  # (buffer positions, forward positions)
+        if self.mode == "dual":
+            pieces.append((slice(a, a + total - cut_from), slice(cut_from, total)))
+        at = slice(None) if rows is None else rows
+        for buf, new in ((self.keys[layer], keys), (self.values[layer], values)):
+            for dst, src in pieces:
+                buf[at, :, dst] = new[:, :, src]
 
-    def _outside_query(self, cache):
-        """From a cache of every position (in order), the one later block steps run on: the
-        positions they do not recompute (the prefix before ``a``, and for ``dual`` the suffix
-        after the block) then a slot for the positions they do (``_SlotLayer``)."""
+    def _slot_cache(self):
+        """The cache block steps run on: the buffers, their first ``cached`` positions kept."""
         from transformers import Cache
 
-        a, cut_from = self.a, self.P + self.hi
-
-        def order(t: Tensor) -> Tensor:
-            if self.mode == "prefix":  # [prefix | block and suffix]: already in that order
-                return t
-            return torch.cat([t[..., :a, :], t[..., cut_from:, :], t[..., a:cut_from, :]], dim=-2)
-
-        cached = a if self.mode == "prefix" else a + cache.get_seq_length() - cut_from
-        layers = [_SlotLayer(order(lay.keys), order(lay.values), cached) for lay in cache.layers]
+        cut_from, total = self.P + self.hi, self.keys[0].shape[-2]
+        cached = self.a if self.mode == "prefix" else self.a + total - cut_from
+        layers = [_SlotLayer(k, v, cached) for k, v in zip(self.keys, self.values, strict=True)]
         return Cache(layers=layers)
 
     def refresh(self, inp: Tensor, lo: int, hi: int, end: int, rows: Tensor | None = None):
         """Full forward of ``inp`` [B', P+L] (the batch's ``rows``); logits of completion
         positions lo..end-1. A refresh of some rows keeps the block of the last full one."""
-        from transformers import DynamicCache
+        from transformers import Cache
 
         a = self._query_start(lo)
         if rows is not None:
             self._check_block("refresh", lo, hi)
-        cache = DynamicCache(config=self.base.config)
+        self.a, self.hi = a, hi
+        n_layers = self.base.config.num_hidden_layers
+        stores = [lambda k, v, i=i: self._store(i, rows, k, v) for i in range(n_layers)]
+        cache = Cache(layers=[_RefreshLayer(store) for store in stores])
         keep = torch.arange(a, self.P + end, device=inp.device)
         mask, pos = self._inputs(rows, 0)
         logits = self._call(cache, inp, mask, pos, keep)[:, self.P + lo - a :]
-        self.a, self.hi = a, hi
-        self._store(cache, rows)
+        self.cache = self._slot_cache()
         return logits
 
     def refresh_suffix(self, inp: Tensor, lo: int, hi: int, end: int, rows=None) -> Tensor:
@@ -176,7 +198,9 @@ class BlockCache:
         keep = torch.arange(0, P + end - a, device=inp.device)
         mask, pos = self._inputs(rows, a)
         logits = self._call(cache, inp[:, a:], mask, pos, keep)[:, P + lo - a :]
-        self._store(cache, rows)
+        for i, layer in enumerate(cache.layers):
+            self._store(i, rows, layer.keys, layer.values)
+        self.cache = self._slot_cache()
         return logits
 
     def block(self, inp: Tensor, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
