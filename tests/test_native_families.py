@@ -453,7 +453,13 @@ def test_special_ids_of_the_new_families_are_read_off_their_tokenizers(family, l
 
 @pytest.mark.parametrize(
     ("family", "mask_id"),
-    [("llada", 126335), ("dream", 151660), ("a2d-qwen3", 151660), ("a2d-llama", 128100)],
+    [
+        ("llada", 126335),
+        ("dream", 151660),
+        ("a2d-qwen3", 151660),
+        ("a2d-qwen2", 151660),
+        ("a2d-llama", 128100),
+    ],
 )
 def test_the_mask_id_is_read_from_the_checkpoint(family, mask_id, tmp_path):
     folder = WRITERS[family](tmp_path, mask_token_id=mask_id, shards=1)

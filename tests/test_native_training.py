@@ -1,5 +1,5 @@
-"""Native-family checkpoints in the hub's layout (LLaDA, Dream, dllm's A2D Qwen3 and Llama),
-trained end to end as a user would.
+"""Native-family checkpoints in the hub's layout (LLaDA, Dream, dllm's A2D Qwen3, Qwen2 and
+Llama), trained end to end as a user would.
 
 Each family (tests/_hub.py: real config keys, vocabulary sizes and special ids, poisoned
 ``*.py`` files) goes through ``daca train`` with LoRA and gradient checkpointing for 2 steps; the
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from _hub import imported_python, write_dream, write_llada
-from _hub_a2d import write_a2d_llama, write_a2d_qwen3
+from _hub_a2d import write_a2d_llama, write_a2d_qwen2, write_a2d_qwen3
 
 from daca.cli import main
 from daca.core.modeling import forward_logits
@@ -27,6 +27,7 @@ WRITERS = {
     "llada": write_llada,
     "dream": write_dream,
     "a2d-qwen3": write_a2d_qwen3,
+    "a2d-qwen2": write_a2d_qwen2,
     "a2d-llama": write_a2d_llama,
 }
 
@@ -155,18 +156,8 @@ def test_export_refuses_a_run_without_checkpoints(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- TRL
-@pytest.mark.parametrize(
-    "family, setting",
-    [
-        ("llada", "peft"),
-        ("dream", "peft"),
-        ("a2d-qwen3", "peft"),
-        ("a2d-llama", "peft"),
-        ("llada", "reference"),
-        ("dream", "reference"),
-        ("a2d-qwen3", "reference"),
-    ],
-)
+@pytest.mark.parametrize("setting", ["peft", "reference"])
+@pytest.mark.parametrize("family", sorted(WRITERS))
 def test_one_trl_step(family, setting, hub_dirs, tmp_path):
     """PEFT with TRL's default gradient checkpointing; or beta > 0 without PEFT, where TRL
     loads a reference model from the policy's folder (through daca.models.load)."""

@@ -1,7 +1,7 @@
 """The paper's QLoRA path (4-bit NF4 base, LoRA adapter; METHOD.md §5) on a CPU, through
-bitsandbytes' CPU backend, on tiny hub-layout LLaDA, Dream and A2D Qwen3 checkpoints: 4-bit
-layers, exact gradients, the paper recipe trained, checkpointed, resumed exactly, evaluated and
-exported."""
+bitsandbytes' CPU backend, on tiny hub-layout LLaDA, Dream and A2D Qwen3, Qwen2 and Llama
+checkpoints: 4-bit layers, exact gradients, the paper recipe trained, checkpointed, resumed
+exactly, evaluated and exported."""
 
 import json
 from pathlib import Path
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _hub import write_dream, write_llada
-from _hub_a2d import write_a2d_qwen3
+from _hub_a2d import write_a2d_llama, write_a2d_qwen2, write_a2d_qwen3
 from safetensors.torch import load_file, save_file
 
 from daca.cli import main
@@ -26,6 +26,9 @@ WRITERS = {
     "llada": lambda p: write_llada(p, d_model=64, mlp_hidden_size=128),
     "dream": lambda p: write_dream(p, hidden_size=64, intermediate_size=128),
     "a2d-qwen3": lambda p: write_a2d_qwen3(p, hidden_size=64, intermediate_size=128),
+    "a2d-qwen2": lambda p: write_a2d_qwen2(p, hidden_size=64, intermediate_size=128),
+    # an explicit head width of 16, as Qwen3's: query and key/value widths 64 and 32
+    "a2d-llama": lambda p: write_a2d_llama(p, hidden_size=64, intermediate_size=128, head_dim=16),
 }
 # The paper recipe with only the model size and the lengths shrunk (and the batch with them).
 SHRUNK = [

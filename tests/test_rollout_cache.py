@@ -3,12 +3,21 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from _hub_a2d import LLAMA3_ROPE_SCALING
 from conftest import random_mlm
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from daca import dps
 from daca.core.block_cache import BlockCache
 from daca.core.sampler import generate
-from daca.models.native import A2DQwen3ForDiffusionLM, DreamForDiffusionLM, a2d_config, qwen2_config
+from daca.models.native import (
+    A2DLlamaForDiffusionLM,
+    A2DQwen2ForDiffusionLM,
+    A2DQwen3ForDiffusionLM,
+    DreamForDiffusionLM,
+    a2d_config,
+    qwen2_config,
+)
 from daca.models.tiny import new_tiny
 
 
@@ -39,16 +48,34 @@ def dream():
         return DreamForDiffusionLM(qwen2_config(hub)).eval()
 
 
-def a2d_qwen3():
-    """dllm's A2D Qwen3 (its own q/k norms, an explicit head width) on a 24-token vocabulary."""
-    from transformers import Qwen3Config
+# dllm's A2D kinds: (model class, transformers config class, config.json extras). Qwen3 with
+# its own q/k norms and an explicit head width; Qwen2 with q/k/v biases; Llama with Llama 3's
+# RoPE scaling.
+A2D = {
+    "a2d-qwen3": (A2DQwen3ForDiffusionLM, Qwen3Config, dict(head_dim=24)),
+    "a2d-qwen2": (A2DQwen2ForDiffusionLM, Qwen2Config, {}),
+    "a2d-llama": (
+        A2DLlamaForDiffusionLM,
+        LlamaConfig,
+        dict(
+            rope_scaling=dict(LLAMA3_ROPE_SCALING),
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+        ),
+    ),
+}
 
-    hub = _tiny_hub("a2d-qwen3", head_dim=24, tie_word_embeddings=True)
+
+def a2d(kind):
+    """An A2D model of ``A2D`` on a 24-token vocabulary, its head tied to the embedding."""
+    model_class, config_class, extra = A2D[kind]
+    hub = _tiny_hub(kind, tie_word_embeddings=True, **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = A2DQwen3ForDiffusionLM(a2d_config(Qwen3Config, hub)).eval()
+        model = model_class(a2d_config(config_class, hub)).eval()
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # norms off their 1 start: a cache skipping one shows
+            # norms off their 1 start, Qwen2's biases off 0: a cache skipping one shows
+            if name.endswith(("norm.weight", "_proj.bias")):
                 p.data += 0.2 * torch.randn_like(p)
         return model
 
@@ -57,7 +84,7 @@ def model_of(family, llada):
     """(model, mask id, vocabulary) of a test family."""
     if family == "llada":
         return llada
-    return (dream(), 23, 24) if family == "dream" else (a2d_qwen3(), 23, 24)
+    return (dream(), 23, 24) if family == "dream" else (a2d(family), 23, 24)
 
 
 def left_padded(vocab, lengths, seed=0):
@@ -92,7 +119,7 @@ def x_at(rollout, step, mask_id):
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
-@pytest.mark.parametrize("family", ["llada", "dream", "a2d-qwen3"])
+@pytest.mark.parametrize("family", ["llada", "dream", *A2D])
 def test_cached_block_step_equals_the_full_forward(llada, mode, family):
     """The cache machinery is exact: a block step on the cache of the same x gives the full
     forward's logits (padding, positions and, for Dream, the shift handled)."""
@@ -248,7 +275,7 @@ def test_refresh_every_counts(llada):
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
-@pytest.mark.parametrize("family", ["llada", "dream", "a2d-qwen3"])
+@pytest.mark.parametrize("family", ["llada", "dream", *A2D])
 def test_suffix_refresh_is_exact_on_an_unchanged_prefix(llada, mode, family):
     """A suffix refresh recomputes the block and its suffix against the cached prefix: on the
     x of the last full refresh it gives the full forward's logits, and the dual cache it leaves
