@@ -124,7 +124,8 @@ def profile(name: str, batch: int, stride: int) -> None:
     full, block = forward_times(model, size, prompt)
     narrow = random_llada(SIZES[name]["layers"], 16, 2, size["vocab"], size["prompt"] + size["L"])
     fixed = forward_times(narrow, size, prompt)[1] / block
-    print(f"{name:<6}{batch:>6}{total * per_step:>9.2f}{cells}{full / block:>12.1f}{fixed:>7.0%}")
+    row = f"{name:<6}{batch:>6}{total * per_step:>9.2f}{cells}{full / block:>12.1f}{fixed:>7.0%}"
+    print(row, flush=True)
 
 
 def forward_times(model, size, prompt, repeats=5) -> tuple[float, float]:
