@@ -143,18 +143,19 @@ class BlockCache:
             return self.cache
         return Cache(layers=[lay.rows(rows) for lay in self.cache.layers])
 
-    def _store(self, layer: int, rows: Tensor | None, keys: Tensor, values: Tensor) -> None:
+    def _store(self, layer, rows, keys: Tensor, values: Tensor, prefix: bool = True) -> None:
         """Copy the positions outside the query span of a forward's ``keys``/``values`` (every
         position, in order) into layer ``layer``'s buffers, rows ``rows``: the prefix before
-        ``a`` and, for ``dual``, the suffix after the block. The slot is left as it is: every
-        block step writes all of it before attending."""
+        ``a`` (unless ``prefix`` is False: a suffix refresh read it from the buffers) and, for
+        ``dual``, the suffix after the block. The slot is left as it is: every block step
+        writes all of it before attending."""
         if len(self.keys) <= layer:  # the first refresh (of every row) makes the buffers
             if rows is not None:
                 raise RuntimeError("BlockCache: a refresh of some rows before one of all rows")
             self.keys.append(torch.empty_like(keys, memory_format=torch.contiguous_format))
             self.values.append(torch.empty_like(values, memory_format=torch.contiguous_format))
         a, cut_from, total = self.a, self.P + self.hi, keys.shape[-2]
-        pieces = [(slice(0, a), slice(0, a))]  # (buffer positions, forward positions)
+        pieces = [(slice(0, a), slice(0, a))] if prefix else []  # (buffer, forward positions)
         if self.mode == "dual":
             pieces.append((slice(a, a + total - cut_from), slice(cut_from, total)))
         at = slice(None) if rows is None else rows
@@ -199,7 +200,7 @@ class BlockCache:
         mask, pos = self._inputs(rows, a)
         logits = self._call(cache, inp[:, a:], mask, pos, keep)[:, P + lo - a :]
         for i, layer in enumerate(cache.layers):
-            self._store(i, rows, layer.keys, layer.values)
+            self._store(i, rows, layer.keys, layer.values, prefix=False)
         self.cache = self._slot_cache()
         return logits
 
