@@ -234,6 +234,21 @@ def stratified_logp(
     return views.sum(0)
 
 
+def annealed_num_strata(num_strata: int, anneal_steps: int, step: int) -> int:
+    """Annealed SML's K at training step ``step`` (0-based; METHOD.md §3, "Annealed SML"):
+    ``anneal_steps`` = T split into K equal phases of K, K-1, ..., 1 strata, so each token's
+    visible context falls from (K-1)/K toward the mean field's none; 1 from step T on.
+    K_t = max(1, K - floor(K·t / T)); T = 0 keeps K at every step."""
+    if num_strata < 1 or anneal_steps < 0 or step < 0:
+        raise ValueError(
+            f"need num_strata >= 1, anneal_steps >= 0 and step >= 0, got {num_strata}, "
+            f"{anneal_steps}, {step}"
+        )
+    if anneal_steps == 0:
+        return num_strata
+    return max(1, num_strata - (num_strata * step) // anneal_steps)
+
+
 def quadrature_nodes(quadrature: str = "gauss-3") -> tuple[Tensor, Tensor]:
     """Gauss–Legendre nodes t ∈ (0, 1) and weights (summing to 1), float64 [Q] each (METHOD §4).
 
@@ -477,6 +492,7 @@ def coupled_logp(
 __all__ = [
     "COUPLED_T_RANGE",
     "STRATA",
+    "annealed_num_strata",
     "coupled_logp",
     "coupled_masks",
     "elbo_masks",

@@ -123,6 +123,11 @@ def check_sampler(
     )
 
 
+def check_anneal_steps(anneal_steps: int, key: Callable[[str], str] = _plain) -> None:
+    """Annealed SML's length in training steps (METHOD.md §3): 0 (K fixed) or more."""
+    _need(anneal_steps >= 0, f"{key('anneal_steps')} must be >= 0 (0: K fixed), got {anneal_steps}")
+
+
 def check_num_strata(
     num_strata: int, length: int | None = None, key: Callable[[str], str] = _plain
 ) -> None:
@@ -151,6 +156,7 @@ __all__ = [
     "STRATA",
     "TRACE_REFRESHES",
     "check_mode",
+    "check_anneal_steps",
     "check_num_strata",
     "check_sampler",
 ]

@@ -86,6 +86,12 @@ class SMLConfig:
     num_strata: int = _f(4, "K strata; each token sees (K-1)/K of the completion")
     strata: Literal[options.STRATA] = _f("random", "how strata are cut")
     eta: float = _f(0.01, "wd1 only: weight η of the SML likelihood term (METHOD.md §4)")
+    anneal_steps: int = _f(
+        0,
+        "annealed SML: K falls from num_strata to 1 in K equal phases over this many training "
+        "steps, so each token's visible context decays from (K-1)/K to none (0: K fixed; "
+        "METHOD.md §3)",
+    )
 
 
 @dataclass
@@ -447,6 +453,7 @@ SAMPLER_FIELDS = {
     "dps_stride": ("dps", "stride"),
     "dps_scope": ("dps", "scope"),
     "num_strata": ("sml", "num_strata"),
+    "anneal_steps": ("sml", "anneal_steps"),
 }
 
 
@@ -473,6 +480,7 @@ def check_sampling(
             key=name,
         )
         options.check_num_strata(sml.num_strata, g.gen_length, key=name)
+        options.check_anneal_steps(sml.anneal_steps, key=name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

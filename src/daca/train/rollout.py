@@ -186,6 +186,7 @@ class RolloutBatch:
     completion_mask: Tensor
     rewards: Tensor
     advantages: Tensor
+    step: int = 0  # the training step that sampled it (0-based): annealed SML's K reads it
     multipliers: Tensor | None = None
     labels: Tensor | None = None  # ground truth per token, for dps.credit=oracle
     dps_multipliers: Tensor | None = None  # DPS's own, where the oracle's replaced them
@@ -328,6 +329,7 @@ class RolloutSteps:
             completion_mask=completion_mask(self.bundle, out.completion_ids),
             rewards=rewards,
             advantages=adv,
+            step=step,
             rollout=out,
             prompts=prompts.texts,
             columns={c: [r.get(c) for r in rows] for c in self.task.columns},

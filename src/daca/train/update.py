@@ -24,12 +24,20 @@ from daca.train.rollout import RolloutBatch
 from daca.train.seeds import estimator_generator, strata_generator
 
 
+def sml_num_strata(cfg: TrainConfig, step: int) -> int:
+    """SML's K for a rollout of training step ``step``: ``sml.num_strata``, or with
+    ``sml.anneal_steps`` its annealed value (``daca.core.likelihood.annealed_num_strata``).
+    Old, current and reference log-probs of one rollout read the same step, hence the same K."""
+    return likelihood.annealed_num_strata(cfg.sml.num_strata, cfg.sml.anneal_steps, step)
+
+
 def token_logp(
     method: BaseMethod, model, batch: RolloutBatch, cfg: TrainConfig, seed: int, mask_id: int
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs [B, L] for the ratio (or wd1's likelihood) and the SML regulariser's
     (None unless ``method.sml`` is "regulariser" with η > 0), with the masks of ``seed``
-    (``daca.train.seeds.mask_seed``); SML enriches the ratio's as ½(ℓ + ℓ^SML) (METHOD.md §4)."""
+    (``daca.train.seeds.mask_seed``); SML enriches the ratio's as ½(ℓ + ℓ^SML) (METHOD.md §4),
+    with the K of the batch's step (``sml_num_strata``)."""
     device = batch.prompt_ids.device
     base = method.estimator(model, batch, cfg, estimator_generator(device, seed), mask_id)
     regulariser = method.sml == "regulariser"
@@ -41,7 +49,7 @@ def token_logp(
         batch.completion_ids,
         mask_id=mask_id,
         attention_mask=batch.prompt_mask,
-        num_strata=cfg.sml.num_strata,
+        num_strata=sml_num_strata(cfg, batch.step),
         strata=cfg.sml.strata,
         generator=strata_generator(device, seed),
     )
@@ -81,6 +89,8 @@ def micro_batch_loss(
     loss's metrics, the log-probs)."""
     logp, sml = token_logp(method, model, batch, cfg, seed, mask_id)
     loss, metrics = method_loss(method, cfg, batch, logp, sml, it)
+    if cfg.sml.enabled and cfg.sml.anneal_steps:
+        metrics = {**metrics, "sml/num_strata": float(sml_num_strata(cfg, batch.step))}
     return loss, metrics, logp
 
 

@@ -270,6 +270,7 @@ class DACAGRPOTrainer(GRPOTrainer):
                 completion_mask=up_to_eos(rollout.completion_ids, self.eos_token_ids),
                 rewards=rewards[rows],
                 advantages=advantages[rows],
+                step=self._rollout_step(),
                 rollout=rollout,
             )
             for (_, rows), rollout, prompt_mask in micro_batches
