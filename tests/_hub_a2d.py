@@ -184,6 +184,18 @@ def a2d_llama_config(
     }
 
 
+def attention_shapes(prefix: str, d: int, q: int, kv: int) -> dict[str, tuple[int, ...]]:
+    """A Llama/Qwen layer's norms and attention projections (``prefix``: ``model.layers.N.``)."""
+    return {
+        prefix + "input_layernorm.weight": (d,),
+        prefix + "self_attn.q_proj.weight": (q, d),
+        prefix + "self_attn.k_proj.weight": (kv, d),
+        prefix + "self_attn.v_proj.weight": (kv, d),
+        prefix + "self_attn.o_proj.weight": (d, q),
+        prefix + "post_attention_layernorm.weight": (d,),
+    }
+
+
 def a2d_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     """The AR class's state-dict keys (Qwen3: q_norm/k_norm over a head; Llama: neither) and
     their shapes; a tied head is not stored."""
@@ -193,14 +205,9 @@ def a2d_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, d)}
     for i in range(c["num_hidden_layers"]):
         b = f"model.layers.{i}."
+        shapes.update(attention_shapes(b, d, q, kv))
         shapes.update(
             {
-                b + "input_layernorm.weight": (d,),
-                b + "self_attn.q_proj.weight": (q, d),
-                b + "self_attn.k_proj.weight": (kv, d),
-                b + "self_attn.v_proj.weight": (kv, d),
-                b + "self_attn.o_proj.weight": (d, q),
-                b + "post_attention_layernorm.weight": (d,),
                 b + "mlp.gate_proj.weight": (f, d),
                 b + "mlp.up_proj.weight": (f, d),
                 b + "mlp.down_proj.weight": (d, f),

@@ -76,3 +76,28 @@ SMALL_RUN = [
     "generation.block_length=8",
     "dps.stride=1",
 ]
+
+
+def left_pad(rows: list[list[int]], pad_id: int):
+    """Token rows left-padded to one width: ids and attention mask [B, width]."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row) :] = torch.tensor(row)
+        mask[r, width - len(row) :] = 1
+    return ids, mask
+
+
+def assert_batch_generates_each_prompt_alone(bundle, rows: list[list[int]]) -> None:
+    """Greedy generation on the left-padded batch of ``rows`` gives each row the completion it
+    gets alone, unpadded (a loaded ``daca.models.load`` bundle)."""
+    from daca.core.sampler import generate
+
+    ids, mask = left_pad(rows, bundle.pad_id)
+    kw = dict(mask_id=bundle.mask_id, gen_length=8, steps=8, block_length=4, temperature=0.0)
+    with torch.no_grad():
+        batch = generate(bundle.model, ids, mask, **kw).completion_ids
+        for r, row in enumerate(rows):
+            alone = generate(bundle.model, torch.tensor([row]), None, **kw).completion_ids
+            assert batch[r].tolist() == alone[0].tolist()

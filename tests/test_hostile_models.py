@@ -177,31 +177,25 @@ def test_an_unknown_architecture_is_one_line_naming_the_families(tmp_path, capsy
 
 
 def test_a_mixture_of_experts_under_llada_s_model_type_is_one_line(tmp_path, capsys):
-    """LLaDA-MoE-7B-A1B's config.json says model_type "llada" (dllm's LLaDA README tells
-    users to rewrite it to "lladamoe"); its fields are an OLMoE-style MoE's (the names of
-    dllm's LLaDAMoEConfig), not LLaDA's: refused in one line, no weight read."""
+    """LLaDA's model type on a Qwen-MoE-style config.json (``moe_intermediate_size``, not
+    LLaDA-MoE's ``num_experts``: tests/test_llada_moe.py runs those): refused in one line, no
+    weight read."""
     folder = _tiny_copy(tmp_path)
     moe = {
         "model_type": "llada",
-        "architectures": ["LLaDAMoEModelLM"],
         "hidden_size": 64,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "dense_intermediate_size": 128,
-        "expert_intermediate_size": 32,
-        "shared_expert_intermediate_size": None,
-        "num_experts": 8,
+        "moe_intermediate_size": 32,
         "num_experts_per_tok": 2,
-        "moe_layer_freq": [1, 1],
-        "qk_layernorm": True,
         "vocab_size": 157184,
     }
     (folder / "config.json").write_text(json.dumps(moe))
     (folder / "model.safetensors").write_bytes(b"not weights: reading them would fail otherwise")
     code, err = _eval(folder, capsys)
     line = _one_error_line(err)
-    assert code == 2 and "mixture of experts" in line and "num_experts=8" in line
-    assert "a2d-qwen3" in line  # the families daca does run
+    assert code == 2 and "mixture of experts" in line and "moe_intermediate_size=32" in line
+    assert "a2d-qwen3" in line and "llada-moe" in line  # the families daca does run
 
 
 # ---------------------------------------------------------------- chat templates

@@ -54,9 +54,9 @@ from _hub_a2d import (
     write_a2d_qwen2,
     write_a2d_qwen3,
 )
+from conftest import assert_batch_generates_each_prompt_alone, left_pad
 
 from daca.core.modeling import forward_logits
-from daca.core.sampler import generate
 from daca.models import load
 
 # Checkpoint kinds and their writers; FAMILY_OF: the family daca loads a kind as, where the
@@ -258,16 +258,6 @@ def random_ids(bundle, shape, seed):
     return ids.masked_fill(masked, bundle.mask_id)
 
 
-def left_pad(rows: list[list[int]], pad_id: int):
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, row in enumerate(rows):
-        ids[r, width - len(row) :] = torch.tensor(row)
-        mask[r, width - len(row) :] = 1
-    return ids, mask
-
-
 # ------------------------------------------------------------------------ oracle agreement
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_block_matches_the_oracle_block(family, folders, loaded):
@@ -372,13 +362,7 @@ def test_generation_on_a_left_padded_batch_equals_each_prompt_alone(family, load
     texts = ["12+34=", "What is seven times eight? Answer: "]
     rows = [bundle.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert len(rows[0]) != len(rows[1])
-    ids, mask = left_pad(rows, bundle.pad_id)
-    kw = dict(mask_id=bundle.mask_id, gen_length=8, steps=8, block_length=4, temperature=0.0)
-    with torch.no_grad():
-        batch = generate(bundle.model, ids, mask, **kw).completion_ids
-        for r, row in enumerate(rows):
-            alone = generate(bundle.model, torch.tensor([row]), None, **kw).completion_ids
-            assert batch[r].tolist() == alone[0].tolist()
+    assert_batch_generates_each_prompt_alone(bundle, rows)
 
 
 # ------------------------------------------------------------------------------ round trip
@@ -523,7 +507,7 @@ def test_every_family_in_the_table_has_a_native_class_and_loads_by_its_model_typ
     each of its model types (any case) maps to it, and its LoRA targets are module names of
     the loaded model."""
     from daca.models.families import FAMILIES, family_of
-    from daca.models.native import NATIVE
+    from daca.models.native_classes import NATIVE
 
     assert set(FAMILIES) == set(NATIVE)
     for family in FAMILIES.values():

@@ -1,5 +1,5 @@
 """Native-family checkpoints in the hub's layout (LLaDA, Dream, dllm's A2D Qwen3, Qwen2 and
-Llama), trained end to end as a user would.
+Llama, LLaDA-MoE), trained end to end as a user would.
 
 Each family (tests/_hub.py: real config keys, vocabulary sizes and special ids, poisoned
 ``*.py`` files) goes through ``daca train`` with LoRA and gradient checkpointing for 2 steps; the
@@ -15,6 +15,7 @@ import pytest
 import torch
 from _hub import imported_python, write_dream, write_llada
 from _hub_a2d import write_a2d_llama, write_a2d_qwen2, write_a2d_qwen3
+from _hub_moe import write_llada_moe
 
 from daca.cli import main
 from daca.core.modeling import forward_logits
@@ -29,6 +30,7 @@ WRITERS = {
     "a2d-qwen3": write_a2d_qwen3,
     "a2d-qwen2": write_a2d_qwen2,
     "a2d-llama": write_a2d_llama,
+    "llada-moe": write_llada_moe,
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from _hub import write_dream, write_llada
 from _hub_a2d import write_a2d_llama, write_a2d_qwen2, write_a2d_qwen3
+from _hub_moe import write_llada_moe
 from safetensors.torch import load_file, save_file
 
 from daca.cli import main
@@ -29,6 +30,8 @@ WRITERS = {
     "a2d-qwen2": lambda p: write_a2d_qwen2(p, hidden_size=64, intermediate_size=128),
     # an explicit head width of 16, as Qwen3's: query and key/value widths 64 and 32
     "a2d-llama": lambda p: write_a2d_llama(p, hidden_size=64, intermediate_size=128, head_dim=16),
+    # every layer a mixture of 4 experts of width 64, top 2
+    "llada-moe": lambda p: write_llada_moe(p, hidden_size=64, expert_size=64),
 }
 # The paper recipe with only the model size and the lengths shrunk (and the batch with them).
 SHRUNK = [
@@ -62,12 +65,21 @@ def _linear4bit(model) -> int:
     return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
 
 
+def _projections(folder) -> int:
+    """The projections 4-bit loading quantises, from config.json: per layer q, k, v, o and a
+    gate, up and down for the MLP or for each expert of a mixture (whose router stays full
+    precision)."""
+    c = json.loads((Path(folder) / "config.json").read_text())
+    layers = c.get("num_hidden_layers") or c["n_layers"]
+    return layers * (4 + 3 * c.get("num_experts", 1))
+
+
 def test_4bit_load_on_cpu_has_linear4bit_layers(hub_model):
     from daca.models.loading import load_4bit
 
     for dtype in (torch.bfloat16, torch.float32):
         bundle = load_4bit(str(hub_model), device="cpu", dtype=dtype)
-        assert _linear4bit(bundle.model) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+        assert _linear4bit(bundle.model) == _projections(hub_model)
         logits = forward_logits(bundle.model, torch.randint(0, 300, (2, 6)))
         assert logits.shape[:2] == (2, 6) and torch.isfinite(logits).all()
 
@@ -81,7 +93,7 @@ def test_an_inference_forward_leaves_the_lora_gradients_unchanged(hub_model):
     from daca.models.loading import load_4bit
     from daca.models.quant import prepare_for_training
 
-    ids = torch.randint(0, 300, (2, 6))
+    ids = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(0))
     grads = []
     for rollout_first in (False, True):
         bundle = load_4bit(str(hub_model), device="cpu", dtype=torch.float32)
@@ -97,7 +109,7 @@ def test_an_inference_forward_leaves_the_lora_gradients_unchanged(hub_model):
         model.train()
         forward_logits(model, ids).logsumexp(-1).sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 2 * 7
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * _projections(hub_model)
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
     assert all(g.abs().sum() > 0 for g in grads[0].values())
 
@@ -126,11 +138,11 @@ def test_paper_recipe_in_4bit_trains_resumes_exactly_evaluates_and_exports(
     hub_model, tmp_path, capsys
 ):
     straight = _trainer(hub_model, tmp_path, "straight", "max_steps=2")
-    assert _linear4bit(straight.model) == 2 * 7
+    assert _linear4bit(straight.model) == _projections(hub_model)
     straight.train()
     _trainer(hub_model, tmp_path, "split", "max_steps=1").train()
     resumed = _trainer(hub_model, tmp_path, "split", "max_steps=2", resume=True)
-    assert resumed.step == 1 and _linear4bit(resumed.model) == 2 * 7
+    assert resumed.step == 1 and _linear4bit(resumed.model) == _projections(hub_model)
     resumed.train()
     a, b = _adapter(straight), _adapter(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -151,7 +163,7 @@ def test_paper_recipe_in_4bit_trains_resumes_exactly_evaluates_and_exports(
     weights, noise = load_file(adapter), torch.Generator().manual_seed(2)
     save_file({k: torch.randn(v.shape, generator=noise) * 0.1 for k, v in weights.items()}, adapter)
     on_4bit = load(str(checkpoint))  # the adapter on the NF4 base it was trained on
-    assert _linear4bit(on_4bit.model) == 2 * 7
+    assert _linear4bit(on_4bit.model) == _projections(hub_model)
     assert main(["export", str(tmp_path / "split"), "--out", str(tmp_path / "merged"),
                  "--merge-lora"]) == 0  # fmt: skip
     merged = load(str(tmp_path / "merged"))  # the adapter merged into the fp32 base

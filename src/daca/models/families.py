@@ -18,13 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # All attention and MLP projections (METHOD.md §5): every native family runs on transformers'
-# Llama, Qwen2 or Qwen3, whose module names are the standard ones. d1 targets q, k, v only.
+# Llama, Qwen2 or Qwen3, whose module names are the standard ones (LLaDA-MoE's experts too: one
+# gate/up/down_proj each, daca.models.native_moe). d1 targets q, k, v only.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # The sizes a Qwen2/Qwen3/Llama-style config.json must give (LLaDA's are OLMo's names).
 QWEN_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-# Keys of a mixture-of-experts config.json (LLaDA-MoE's, Qwen's, Mixtral's).
+# Keys of a mixture-of-experts config.json (LLaDA-MoE's, Qwen's, Mixtral's): refused under a
+# dense family's type. LLaDA-MoE's config.json says "llada" and names its experts "num_experts":
+# that is the llada-moe family (family_of).
 MOE_KEYS = ("num_experts", "expert_intermediate_size", "moe_intermediate_size", "num_local_experts")
 
 
@@ -43,7 +46,7 @@ class KnownIds:
 class Family:
     """A checkpoint family daca runs on transformers' own classes (``daca.models.native``)."""
 
-    name: str  # LoadedModel.family and daca.json's "family"; a key of native.NATIVE
+    name: str  # LoadedModel.family and daca.json's "family"; a key of native_classes.NATIVE
     model_types: tuple[str, ...]  # config.json's model_type, lower-cased
     mask_token: str  # looked up in the tokenizer when config.json names no mask_token_id
     end_tokens: tuple[str, ...]  # tokens that end a turn or a completion, beside EOS
@@ -118,15 +121,36 @@ FAMILIES: dict[str, Family] = {
             chat_template="the tokenizer's (Llama 3 headers, <|eot_id|>)",
             checkpoints=(),
         ),
+        # LLaDA-MoE's config.json says model_type "llada" (family_of tells it by its experts);
+        # "lladamoe" is what dllm's README has users rewrite it to. Its tokenizer (LLaDA 2.x's
+        # vocabulary) ends a turn with <|role_end|> (dllm.utils.models); mask 156895 and EOS
+        # 156892 are the ids dllm's and dInfer's code pass for it.
+        Family(
+            "llada-moe",
+            ("lladamoe",),
+            mask_token="<|mask|>",
+            end_tokens=("<|role_end|>",),
+            chat_template="the tokenizer's (turns end in <|role_end|>)",
+            checkpoints=(
+                "inclusionAI/LLaDA-MoE-7B-A1B-Base",
+                "inclusionAI/LLaDA-MoE-7B-A1B-Instruct",
+            ),
+            known_ids=KnownIds(157184, 156895, (156892,), (156892,)),
+            required_keys=(),  # daca.models.native_moe.moe_config_problem checks its keys
+        ),
     )
 }
 _BY_MODEL_TYPE = {kind: family for family in FAMILIES.values() for kind in family.model_types}
 
 
-def family_of(model_type: str | None) -> str:
+def family_of(model_type: str | None, hub: dict | None = None) -> str:
     """The name of the native family of a config.json ``model_type`` (``llada``, ``dream``,
-    ``a2d-qwen3`` …), else ``mlm`` (a masked LM daca runs through ``AutoModelForMaskedLM``)."""
+    ``a2d-qwen3`` …), else ``mlm`` (a masked LM daca runs through ``AutoModelForMaskedLM``).
+    ``hub``: the config.json, which tells LLaDA-MoE (``llada`` with ``num_experts``) from
+    LLaDA."""
     family = _BY_MODEL_TYPE.get(str(model_type or "").lower())
+    if family is not None and family.name == "llada" and (hub or {}).get("num_experts"):
+        return "llada-moe"
     return family.name if family else "mlm"
 
 
@@ -135,12 +159,17 @@ def config_problem(family: Family, hub: dict) -> str | None:
     (``daca.models.native``), or None: a mixture of experts under a dense family's name
     (LLaDA-MoE-7B-A1B's config.json says ``llada``), or sizes it lacks."""
     kind = hub.get("model_type")
+    if family.name == "llada-moe":
+        from daca.models.native_moe import moe_config_problem
+
+        problem = moe_config_problem(hub)
+        return f"config.json says model_type {kind!r} (llada-moe): {problem}" if problem else None
     moe = [key for key in MOE_KEYS if hub.get(key)]
     if moe:
         return (
             f"config.json says model_type {kind!r} ({family.name}) but describes a mixture of "
-            f"experts ({moe[0]}={hub[moe[0]]}; LLaDA-MoE's checkpoints name themselves 'llada'), "
-            f"which daca does not run"
+            f"experts ({moe[0]}={hub[moe[0]]}), which daca does not run under that type "
+            "(LLaDA-MoE's checkpoints: model_type 'llada' with num_experts)"
         )
     missing = [key for key in family.required_keys if key not in hub]
     if missing:
@@ -173,8 +202,9 @@ class ModelShape:
 
     parameters: every parameter (a tied head counted once); linears: (in, out) of each linear
     layer inside the transformer layers, in module order: the projections that LoRA adapts and
-    4-bit loading quantises. head_on_completion: the head runs on the completion's positions
-    only (transformers' Llama/Qwen2 classes take ``logits_to_keep``; daca.core.modeling).
+    4-bit loading quantises (every expert's, for a mixture of experts: all are resident).
+    head_on_completion: the head runs on the completion's positions only (transformers'
+    Llama/Qwen2 classes take ``logits_to_keep``; daca.core.modeling).
     """
 
     hidden: int
@@ -184,6 +214,12 @@ class ModelShape:
     parameters: int
     linears: tuple[tuple[int, int], ...]
     head_on_completion: bool = False
+    active_parameters: int = 0  # a mixture of experts': what one token runs through
+
+    @property
+    def active(self) -> int:
+        """Parameters one token runs through (all of them, but for a mixture of experts)."""
+        return self.active_parameters or self.parameters
 
     @property
     def linear_parameters(self) -> int:
@@ -256,12 +292,12 @@ def meta_module(config: dict):
     transformers' masked LM of that type. LookupError if transformers has no class for it."""
     import torch
 
-    from daca.models.native import NATIVE
+    from daca.models.native_classes import NATIVE
 
     kind = str(config.get("model_type", "")).lower()
     with torch.device("meta"):
-        if family_of(kind) in NATIVE:
-            cls, make_config, _ = NATIVE[family_of(kind)]
+        if family_of(kind, config) in NATIVE:
+            cls, make_config, _ = NATIVE[family_of(kind, config)]
             return cls(make_config(config))
         from transformers import AutoConfig, AutoModelForMaskedLM
 
@@ -274,23 +310,37 @@ def meta_module(config: dict):
 
 def shape_of_module(model) -> ModelShape:
     """The shape of a transformers model: its parameters counted, the linear layers of its
-    layer stack (its longest ModuleList) listed."""
+    layer stack listed (``model.layers`` of a causal LM, else its longest ModuleList: a
+    mixture of experts holds a longer one per layer). A mixture of experts' ``mlp`` is the
+    width a token runs through (top k · expert width) and ``active_parameters`` leaves out
+    the experts a token skips."""
     from torch import nn
 
     from daca.core.modeling import causal_lm_backbone
 
-    stack = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
+    stack = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(stack, nn.ModuleList):
+        stack = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
     embedding = model.get_input_embeddings()
+    parameters = sum(p.numel() for p in model.parameters())
+    config = model.config
+    mlp, active = int(config.intermediate_size), parameters
+    experts, top_k = getattr(config, "num_experts", 0), getattr(config, "num_experts_per_tok", 0)
+    if experts and top_k:
+        mlp = top_k * int(config.moe_intermediate_size)
+        routed = sum(p.numel() for n, p in stack.named_parameters() if ".experts." in n)
+        active = parameters - routed + routed * top_k // experts
     return ModelShape(
         hidden=embedding.embedding_dim,
         layers=len(stack),
         vocab=embedding.num_embeddings,
-        mlp=int(model.config.intermediate_size),
-        parameters=sum(p.numel() for p in model.parameters()),
+        mlp=mlp,
+        parameters=parameters,
         linears=tuple(
             (m.in_features, m.out_features) for m in stack.modules() if isinstance(m, nn.Linear)
         ),
         head_on_completion=causal_lm_backbone(model) is not None,
+        active_parameters=active,
     )
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from daca.models.families import FAMILIES, config_problem, family_of, supported_families
-from daca.models.native import NATIVE
+from daca.models.native_classes import NATIVE
 from daca.models.padding import adapt
 from daca.shipped import SHIPPED, tiny_for_task  # noqa: F401 (tiny_for_task re-exported)
 
@@ -277,7 +277,7 @@ def load(
             path, meta, device=device, dtype=dtype, trust=trust_remote_code, nf4=base_in_4bit
         )
     hub = hub_config(path)
-    family = family_of(hub.get("model_type"))
+    family = family_of(hub.get("model_type"), hub)
     check_remote_code(path, hub, family, trust_remote_code)
     check_architecture(path, hub, family, trust_remote_code)
     kwargs = {"use_safetensors": True}  # never a pickle, even from the hub

@@ -1,5 +1,7 @@
 """The native families on transformers' own Llama, Qwen2 and Qwen3 classes: no remote code.
 
+(LLaDA-MoE, Qwen3 with Qwen3-MoE's sparse blocks, is in ``daca.models.native_moe``.)
+
 LLaDA-8B (and LLaDA-1.5, and the embedded tiny models) is a Llama block — RMSNorm, rotate-half
 RoPE, SwiGLU, no bias, untied head — with bidirectional attention; Dream-7B (and Dream-Coder,
 DiffuCoder) is Qwen2 with bidirectional attention whose logits are shifted right by one; an
@@ -37,7 +39,6 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
     Qwen3ForCausalLM,
 )
 
@@ -389,13 +390,3 @@ class A2DLlamaForDiffusionLM(_HubLayout, _Bidirectional, LlamaForCausalLM):
     """transformers' ``LlamaForCausalLM`` run as dllm's A2D Llama (``a2d-llama``)."""
 
     hub_config_of = staticmethod(partial(sized_hub_config, model_type="a2d-llama"))
-
-
-# Keys: the family names of daca.models.families.FAMILIES.
-NATIVE = {
-    "llada": (LLaDAForDiffusionLM, llama_config, LLADA_KEYS),
-    "dream": (DreamForDiffusionLM, qwen2_config, None),
-    "a2d-qwen3": (A2DQwen3ForDiffusionLM, partial(a2d_config, Qwen3Config), None),
-    "a2d-qwen2": (A2DQwen2ForDiffusionLM, partial(a2d_config, Qwen2Config), None),
-    "a2d-llama": (A2DLlamaForDiffusionLM, partial(a2d_config, LlamaConfig), None),
-}

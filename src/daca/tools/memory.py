@@ -30,6 +30,7 @@ class MemoryEstimate:
     source: str
     parameters: int
     trainable: int
+    active: int = 0  # a mixture of experts: the parameters one token runs through
     resident: dict[str, float] = field(default_factory=dict)  # weights, trainable state
     rollout: dict[str, float] = field(default_factory=dict)
     update: dict[str, float] = field(default_factory=dict)
@@ -77,7 +78,7 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
     T = PROMPT_TOKENS + g.gen_length
     act = 2 if cfg.bf16 else 4  # bytes per activation / logit entry
     h, V, layers = shape.hidden, shape.vocab, shape.layers
-    est = MemoryEstimate(cfg.model, source, shape.parameters, 0)
+    est = MemoryEstimate(cfg.model, source, shape.parameters, 0, shape.active)
 
     # Weights: NF4 for the layers' projections; embeddings, head, norms and biases in fp32
     # (prepare_model_for_kbit_training upcasts them, as TRL does for the reference codes).
@@ -158,9 +159,10 @@ def estimate_text(cfg: TrainConfig) -> str:
     except (LookupError, FileNotFoundError, OSError, ValueError) as e:
         return f"memory estimate unavailable: {e}"
     g = cfg.generation
+    active = f", {est.active / 1e9:.2f} B active" if est.active < est.parameters else ""
     lines = [
         f"estimated GPU memory per device for {est.model} ({est.parameters / 1e9:.2f} B "
-        f"parameters, {est.trainable / 1e6:.1f} M trainable; shape from {est.source}), "
+        f"parameters{active}, {est.trainable / 1e6:.1f} M trainable; shape from {est.source}), "
         f"{cfg.per_device_train_batch_size} completions of {PROMPT_TOKENS} prompt (assumed) + "
         f"{g.gen_length} tokens:"
     ]
