@@ -56,6 +56,11 @@ class Family:
     lora_targets: tuple[str, ...] = PROJECTIONS
     chat_kwargs: dict = field(default_factory=dict)  # extra variables the template reads
     required_keys: tuple[str, ...] = QWEN_KEYS  # config.json keys the translation reads
+    # The family a config.json of this model_type belongs to when it names num_experts
+    # (LLaDA-MoE's says "llada"); mixture_of_experts: this family's own config check applies
+    # (daca.models.native_moe.moe_config_problem), not the dense families' MoE refusal.
+    with_experts: str | None = None
+    mixture_of_experts: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -71,6 +76,7 @@ FAMILIES: dict[str, Family] = {
             # <|mdm_mask|>, <|endoftext|> and <|eot_id|>; the reference codes pad with EOS.
             known_ids=KnownIds(126464, 126336, (126081, 126348), (126081,)),
             required_keys=("d_model", "n_layers", "n_heads"),
+            with_experts="llada-moe",
         ),
         Family(
             "dream",
@@ -137,6 +143,7 @@ FAMILIES: dict[str, Family] = {
             ),
             known_ids=KnownIds(157184, 156895, (156892,), (156892,)),
             required_keys=(),  # daca.models.native_moe.moe_config_problem checks its keys
+            mixture_of_experts=True,
         ),
     )
 }
@@ -149,8 +156,8 @@ def family_of(model_type: str | None, hub: dict | None = None) -> str:
     ``hub``: the config.json, which tells LLaDA-MoE (``llada`` with ``num_experts``) from
     LLaDA."""
     family = _BY_MODEL_TYPE.get(str(model_type or "").lower())
-    if family is not None and family.name == "llada" and (hub or {}).get("num_experts"):
-        return "llada-moe"
+    if family is not None and family.with_experts and (hub or {}).get("num_experts"):
+        return family.with_experts
     return family.name if family else "mlm"
 
 
@@ -159,11 +166,11 @@ def config_problem(family: Family, hub: dict) -> str | None:
     (``daca.models.native``), or None: a mixture of experts under a dense family's name
     (LLaDA-MoE-7B-A1B's config.json says ``llada``), or sizes it lacks."""
     kind = hub.get("model_type")
-    if family.name == "llada-moe":
+    if family.mixture_of_experts:
         from daca.models.native_moe import moe_config_problem
 
         problem = moe_config_problem(hub)
-        return f"config.json says model_type {kind!r} (llada-moe): {problem}" if problem else None
+        return problem and f"config.json says model_type {kind!r} ({family.name}): {problem}"
     moe = [key for key in MOE_KEYS if hub.get(key)]
     if moe:
         return (
@@ -296,8 +303,9 @@ def meta_module(config: dict):
 
     kind = str(config.get("model_type", "")).lower()
     with torch.device("meta"):
-        if family_of(kind, config) in NATIVE:
-            cls, make_config, _ = NATIVE[family_of(kind, config)]
+        family = family_of(kind, config)
+        if family in NATIVE:
+            cls, make_config, _ = NATIVE[family]
             return cls(make_config(config))
         from transformers import AutoConfig, AutoModelForMaskedLM
 

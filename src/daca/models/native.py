@@ -1,6 +1,6 @@
 """The native families on transformers' own Llama, Qwen2 and Qwen3 classes: no remote code.
 
-(LLaDA-MoE, Qwen3 with Qwen3-MoE's sparse blocks, is in ``daca.models.native_moe``.)
+(LLaDA-MoE, Qwen3 with sparse MoE blocks of daca's own, is in ``daca.models.native_moe``.)
 
 LLaDA-8B (and LLaDA-1.5, and the embedded tiny models) is a Llama block — RMSNorm, rotate-half
 RoPE, SwiGLU, no bias, untied head — with bidirectional attention; Dream-7B (and Dream-Coder,
