@@ -143,6 +143,14 @@ def write_llada_moe(
     config = llada_moe_config(**widths)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_weights(path, moe_weights(config, seed), shards)
+    write_moe_tokenizer(path, mask_token_id)
+    poison(path, ["configuration_lladamoe", "modeling_lladamoe"])
+    return path
+
+
+def write_moe_tokenizer(path: Path, mask_token_id: int) -> None:
+    """The stand-in tokenizer of LLaDA-MoE's and LLaDA 2.x's vocabulary (``<|mask|>`` at
+    ``mask_token_id``)."""
     write_tokenizer(
         path,
         {**MOE_SPECIALS, "<|mask|>": mask_token_id},
@@ -154,5 +162,3 @@ def write_llada_moe(
             "chat_template": MOE_CHAT_TEMPLATE,
         },
     )
-    poison(path, ["configuration_lladamoe", "modeling_lladamoe"])
-    return path

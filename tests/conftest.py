@@ -89,15 +89,61 @@ def left_pad(rows: list[list[int]], pad_id: int):
     return ids, mask
 
 
-def assert_batch_generates_each_prompt_alone(bundle, rows: list[list[int]]) -> None:
+def assert_batch_generates_each_prompt_alone(bundle, rows: list[list[int]], **sampler) -> None:
     """Greedy generation on the left-padded batch of ``rows`` gives each row the completion it
-    gets alone, unpadded (a loaded ``daca.models.load`` bundle)."""
+    gets alone, unpadded (a loaded ``daca.models.load`` bundle; ``sampler``: other arguments
+    of ``generate``)."""
     from daca.core.sampler import generate
 
     ids, mask = left_pad(rows, bundle.pad_id)
     kw = dict(mask_id=bundle.mask_id, gen_length=8, steps=8, block_length=4, temperature=0.0)
+    kw |= sampler
     with torch.no_grad():
         batch = generate(bundle.model, ids, mask, **kw).completion_ids
         for r, row in enumerate(rows):
             alone = generate(bundle.model, torch.tensor([row]), None, **kw).completion_ids
             assert batch[r].tolist() == alone[0].tolist()
+
+
+def one_error_line(err: str) -> str:
+    """The one line starting 'error:' (progress bars may stand beside it); no traceback."""
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def lora_adapted(bundle, r: int = 4):
+    """The bundle's model under PEFT LoRA on its family's targets, every B drawn off 0 (B = 0
+    at init would give the A matrices no gradient)."""
+    from peft import LoraConfig, get_peft_model
+
+    from daca.models.families import lora_targets
+
+    torch.manual_seed(0)
+    model = get_peft_model(bundle.model, LoraConfig(r=r, target_modules=lora_targets(bundle)))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def lora_sgd_step(model, ids) -> set[str]:
+    """One loss.backward() and SGD step on random targets; the adapted projections whose LoRA
+    got a gradient."""
+    from daca.core.modeling import forward_logits
+
+    model.train()
+    targets = torch.randint(0, 250, ids.shape, generator=torch.Generator().manual_seed(9))
+    logits = forward_logits(model, ids)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+    hit = {
+        n.split(".lora_")[0]
+        for n, p in model.named_parameters()
+        if p.grad is not None and p.grad.abs().sum() > 0
+    }
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    return hit

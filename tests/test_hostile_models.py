@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _hub import LLADA_CHAT_TEMPLATE, imported_python, poison, write_llada
-from conftest import SMALL_RUN
+from conftest import SMALL_RUN, one_error_line
 from safetensors.torch import load_file
 
 from daca.cli import main
@@ -53,14 +53,6 @@ def _train(folder, tmp_path, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def _one_error_line(err: str) -> str:
-    """The one line starting 'error:' (progress bars may stand beside it); no traceback."""
-    assert "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, err
-    return errors[0]
-
-
 def _tiny_copy(tmp_path) -> Path:
     folder = tmp_path / "model"
     shutil.copytree(TINY, folder)
@@ -94,11 +86,11 @@ def _pickle_only(tmp_path) -> tuple[Path, Path]:
 def test_a_pickle_only_checkpoint_is_refused_and_not_unpickled(tmp_path, capsys):
     folder, marker = _pickle_only(tmp_path)
     code, err = _eval(folder, capsys)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert code == 2 and "pytorch_model.bin" in line and "safetensors" in line
     assert not marker.exists()
     code, err = _train(folder, tmp_path, capsys)
-    assert code == 2 and "pickle" in _one_error_line(err) and not marker.exists()
+    assert code == 2 and "pickle" in one_error_line(err) and not marker.exists()
 
 
 # ---------------------------------------------------------------- daca.json
@@ -119,7 +111,7 @@ def test_a_bad_daca_json_is_one_line(tmp_path, capsys, text, named):
     folder = _tiny_copy(tmp_path)
     (folder / "daca.json").write_text(text)
     code, err = _eval(folder, capsys)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert code == 2 and "daca.json" in line and named in line, line
 
 
@@ -127,7 +119,7 @@ def test_a_bad_daca_json_stops_training_with_one_line(tmp_path, capsys):
     folder = _tiny_copy(tmp_path)
     (folder / "daca.json").write_text('{"family": "llada", "prompt_width": "wide"}')
     code, err = _train(folder, tmp_path, capsys)
-    assert code == 2 and "prompt_width must be int" in _one_error_line(err)
+    assert code == 2 and "prompt_width must be int" in one_error_line(err)
 
 
 def test_the_shipped_models_daca_json_passes_the_check():
@@ -150,7 +142,7 @@ def test_an_auto_map_to_unknown_code_is_refused_and_not_imported(tmp_path, capsy
     (folder / "daca.json").unlink()
     poison(folder, ["configuration_hostile", "modeling_hostile"])
     code, err = _eval(folder, capsys)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert code == 2 and "auto_map" in line and "'hostile'" in line
     assert imported_python(folder) == []
 
@@ -170,7 +162,7 @@ def test_an_unknown_architecture_is_one_line_naming_the_families(tmp_path, capsy
     (folder / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     (folder / "model.safetensors").write_bytes(b"not weights: reading them would fail otherwise")
     code, err = _eval(folder, capsys)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert code == 2 and f"model_type {model_type!r}" in line
     for family in FAMILIES.values():
         assert family.name in line and family.model_types[0] in line
@@ -193,7 +185,7 @@ def test_a_mixture_of_experts_under_llada_s_model_type_is_one_line(tmp_path, cap
     (folder / "config.json").write_text(json.dumps(moe))
     (folder / "model.safetensors").write_bytes(b"not weights: reading them would fail otherwise")
     code, err = _eval(folder, capsys)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert code == 2 and "mixture of experts" in line and "moe_intermediate_size=32" in line
     assert "a2d-qwen3" in line and "llada-moe" in line  # the families daca does run
 
@@ -217,11 +209,11 @@ def test_a_chat_template_that_loops_for_hours_stops_eval_with_one_line(
     monkeypatch.setattr(prompts, "CHAT_TEMPLATE_SECONDS", 0.5)
     folder = _llada_with_template(tmp_path, NESTED_LOOPS)
     code, err = _eval(folder, capsys)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert code == 2 and "chat_template did not render a prompt within 0.5 s" in line
     assert str(folder) in line
     code, err = _train(folder, tmp_path, capsys)
-    assert code == 2 and "chat_template did not render" in _one_error_line(err)
+    assert code == 2 and "chat_template did not render" in one_error_line(err)
 
 
 class _Tokenizer:

@@ -9,17 +9,22 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _hub import imported_python, read_weights
 from _hub_moe import write_llada_moe
-from conftest import assert_batch_generates_each_prompt_alone
+from _oracle import config_of, rms, rope, swiglu, token_ids
+from conftest import (
+    assert_batch_generates_each_prompt_alone,
+    lora_adapted,
+    lora_sgd_step,
+    one_error_line,
+)
 
 from daca.cli import main
 from daca.core.block_cache import BlockCache
 from daca.core.modeling import forward_logits
 from daca.core.sampler import generate
 from daca.models import load, save_pretrained
-from daca.models.families import lora_targets, model_shape
+from daca.models.families import model_shape
 
 # Variants: plain (every layer MoE, untied), bias_dense (router bias, first layer dense),
 # tied (a tied head).
@@ -45,23 +50,6 @@ def loaded(folders):
 
 
 # ------------------------------------------------------------------ the oracle (plain torch)
-def _rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x, positions, theta):
-    """Rotate-half RoPE on [B, H, T, D] at ``positions`` [B, T]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = positions[:, None, :, None].float() * inv
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
-    return x * cos + half * sin
-
-
-def _swiglu(x, w, prefix):
-    gate, up = x @ w[prefix + "gate_proj.weight"].T, x @ w[prefix + "up_proj.weight"].T
-    return (F.silu(gate) * up) @ w[prefix + "down_proj.weight"].T
 
 
 def _moe(x, w, b, c):
@@ -73,7 +61,7 @@ def _moe(x, w, b, c):
     out = torch.zeros_like(x)
     for j in range(c["num_experts"]):
         weight = (top * (idx == j)).sum(-1, keepdim=True)  # 0 where j is not chosen
-        out = out + weight * _swiglu(x, w, f"{b}mlp.experts.{j}.")
+        out = out + weight * swiglu(x, w, f"{b}mlp.experts.{j}.")
     return out
 
 
@@ -89,27 +77,19 @@ def oracle_logits(w, c, ids, attention_mask=None):
     bias = torch.zeros(B, 1, 1, T).masked_fill(mask[:, None, None, :] == 0, float("-inf"))
     for i, kind in enumerate(c["moe_layer_freq"]):
         b = f"model.layers.{i}."
-        h = _rms(x, w[b + "input_layernorm.weight"], eps)
+        h = rms(x, w[b + "input_layernorm.weight"], eps)
         q, k, v = ((h @ w[f"{b}self_attn.{n}_proj.weight"].T).view(B, T, -1, D) for n in "qkv")
-        q = _rms(q, w[b + "self_attn.q_norm.weight"], eps).transpose(1, 2)
-        k = _rms(k, w[b + "self_attn.k_norm.weight"], eps).transpose(1, 2)
+        q = rms(q, w[b + "self_attn.q_norm.weight"], eps).transpose(1, 2)
+        k = rms(k, w[b + "self_attn.k_norm.weight"], eps).transpose(1, 2)
         v = v.transpose(1, 2)
-        q, k = _rope(q, positions, c["rope_theta"]), _rope(k, positions, c["rope_theta"])
+        q, k = rope(q, positions, c["rope_theta"]), rope(k, positions, c["rope_theta"])
         k, v = k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1)
         att = torch.softmax(q @ k.transpose(-1, -2) / D**0.5 + bias, -1) @ v
         x = x + att.transpose(1, 2).reshape(B, T, H * D) @ w[b + "self_attn.o_proj.weight"].T
-        h = _rms(x, w[b + "post_attention_layernorm.weight"], eps)
-        x = x + (_moe(h, w, b, c) if kind else _swiglu(h, w, b + "mlp."))
+        h = rms(x, w[b + "post_attention_layernorm.weight"], eps)
+        x = x + (_moe(h, w, b, c) if kind else swiglu(h, w, b + "mlp."))
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return _rms(x, w["model.norm.weight"], eps) @ head.T
-
-
-def _config(folder) -> dict:
-    return json.loads((folder / "config.json").read_text())
-
-
-def _ids(shape, seed=0):
-    return torch.randint(0, 250, shape, generator=torch.Generator().manual_seed(seed))
+    return rms(x, w["model.norm.weight"], eps) @ head.T
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -117,10 +97,10 @@ def _ids(shape, seed=0):
 def test_logits_match_the_oracle(variant, folders, loaded):
     bundle = loaded[variant]
     assert type(bundle.model).__name__ == "LLaDAMoEForDiffusionLM" and bundle.family == "llada-moe"
-    ids = _ids((2, 9))
+    ids = token_ids((2, 9))
     with torch.no_grad():
         got = bundle.model(ids).logits
-    want = oracle_logits(read_weights(folders[variant]), _config(folders[variant]), ids)
+    want = oracle_logits(read_weights(folders[variant]), config_of(folders[variant]), ids)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -128,7 +108,7 @@ def test_logits_match_the_oracle(variant, folders, loaded):
 def test_left_padded_logits_match_the_oracle_and_each_row_alone(variant, folders, loaded):
     model = loaded[variant].model
     pad = loaded[variant].pad_id
-    rows = [_ids((1, 5), 1)[0], _ids((1, 8), 2)[0]]
+    rows = [token_ids((1, 5), 1)[0], token_ids((1, 8), 2)[0]]
     ids = torch.full((2, 8), pad)
     mask = torch.zeros(2, 8, dtype=torch.long)
     for r, row in enumerate(rows):
@@ -138,7 +118,7 @@ def test_left_padded_logits_match_the_oracle_and_each_row_alone(variant, folders
         for r, row in enumerate(rows):
             alone = model(row[None]).logits[0]
             torch.testing.assert_close(batch[r, 8 - len(row) :], alone, **TOL)
-    want = oracle_logits(read_weights(folders[variant]), _config(folders[variant]), ids, mask)
+    want = oracle_logits(read_weights(folders[variant]), config_of(folders[variant]), ids, mask)
     torch.testing.assert_close(batch[mask.bool()], want[mask.bool()], **TOL)
 
 
@@ -148,10 +128,10 @@ def test_cached_block_step_equals_the_full_forward(mode, loaded):
     bundle = loaded["bias_dense"]
     model, mask_id = bundle.model, bundle.mask_id
     ids, attn = torch.full((2, 5), bundle.pad_id), torch.zeros(2, 5, dtype=torch.long)
-    ids[0, 2:], attn[0, 2:] = _ids((3,), 3), 1
-    ids[1], attn[1] = _ids((5,), 4), 1
+    ids[0, 2:], attn[0, 2:] = token_ids((3,), 3), 1
+    ids[1], attn[1] = token_ids((5,), 4), 1
     P, L, bl = 5, 8, 4
-    x = torch.cat([ids, _ids((2, L), 5)], 1)
+    x = torch.cat([ids, token_ids((2, L), 5)], 1)
     x[:, P + 3 :: 2] = mask_id
     attn = torch.cat([attn, torch.ones(2, L, dtype=torch.long)], 1)
     with torch.no_grad():
@@ -167,8 +147,8 @@ def test_cached_block_step_equals_the_full_forward(mode, loaded):
 def test_batched_generation_with_the_dual_cache_refreshed_every_step_equals_none(loaded):
     bundle = loaded["plain"]
     ids, mask = torch.full((2, 6), bundle.pad_id), torch.zeros(2, 6, dtype=torch.long)
-    ids[0, 2:], mask[0, 2:] = _ids((4,), 6), 1
-    ids[1], mask[1] = _ids((6,), 7), 1
+    ids[0, 2:], mask[0, 2:] = token_ids((4,), 6), 1
+    ids[1], mask[1] = token_ids((6,), 7), 1
     kw = dict(mask_id=bundle.mask_id, gen_length=8, steps=4, block_length=4, temperature=0.8)
     runs = [
         generate(bundle.model, ids, mask, generator=torch.Generator().manual_seed(5), **kw, **c)
@@ -178,44 +158,15 @@ def test_batched_generation_with_the_dual_cache_refreshed_every_step_equals_none
     assert runs[1].forwards == {"full": 4, "block": 0}
 
 
-def _lora(bundle, r=4):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    model = get_peft_model(bundle.model, LoraConfig(r=r, target_modules=lora_targets(bundle)))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B = 0 at init would give the A matrices no gradient
-            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
-    return model
-
-
-def _lora_step(model, ids):
-    """One loss.backward() and SGD step; the adapted projections whose LoRA got a gradient."""
-    model.train()
-    targets = _ids(ids.shape, 9)
-    logits = forward_logits(model, ids)
-    F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
-    hit = {
-        n.split(".lora_")[0]
-        for n, p in model.named_parameters()
-        if p.grad is not None and p.grad.abs().sum() > 0
-    }
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= 0.1 * p.grad
-    return hit
-
-
 def test_a_lora_step_trains_attention_and_every_expert_it_routes_to(folders):
     """LoRA reaches q/k/v/o and each expert's gate/up/down projections (the router and norms
     stay frozen), and one step changes the logits."""
     bundle = load(str(folders["plain"]))
-    model = _lora(bundle)
-    ids = _ids((2, 16))
+    model = lora_adapted(bundle)
+    ids = token_ids((2, 16))
     with torch.no_grad():
         before = forward_logits(model.eval(), ids)
-    hit = _lora_step(model, ids)
+    hit = lora_sgd_step(model, ids)
     experts = {n for n in hit if ".mlp.experts." in n}
     assert {n.rsplit(".", 1)[-1] for n in hit} == {
         "q_proj",
@@ -246,7 +197,7 @@ def test_a_4bit_qlora_step_quantises_the_experts_and_trains_them(folders, tmp_pa
     four_bit = [n for n, m in bundle.model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(four_bit) == 2 * (4 + 4 * 3)  # 2 layers x (q, k, v, o + 4 experts x 3)
     bundle.model = prepare_for_training(bundle.model)
-    hit = _lora_step(_lora(bundle), _ids((2, 16)))
+    hit = lora_sgd_step(lora_adapted(bundle), token_ids((2, 16)))
     assert {n for n in hit if ".mlp.experts." in n} and {n for n in hit if "q_proj" in n}
 
 
@@ -254,11 +205,11 @@ def test_save_and_reload_keeps_logits_hub_keys_and_config(folders, loaded, tmp_p
     bundle = loaded["bias_dense"]
     out = save_pretrained(bundle, tmp_path / "saved")
     assert set(read_weights(out)) == set(read_weights(folders["bias_dense"]))  # hub names
-    saved, original = _config(out), _config(folders["bias_dense"])
+    saved, original = config_of(out), config_of(folders["bias_dense"])
     assert {k: saved[k] for k in original if k != "torch_dtype"} == {
         k: v for k, v in original.items() if k != "torch_dtype"
     }
-    ids = _ids((1, 7))
+    ids = token_ids((1, 7))
     with torch.no_grad():
         torch.testing.assert_close(load(str(out)).model(ids).logits, bundle.model(ids).logits)
 
@@ -281,16 +232,16 @@ def test_the_mask_id_is_read_from_the_checkpoint(tmp_path):
 def test_generation_on_a_left_padded_batch_equals_each_prompt_alone(loaded):
     """Routing is per token, so a row's tokens, experts and completion do not depend on the
     other rows or on the padding in front of it."""
-    rows = [_ids((4,), 11).tolist(), _ids((7,), 12).tolist()]
+    rows = [token_ids((4,), 11).tolist(), token_ids((7,), 12).tolist()]
     assert_batch_generates_each_prompt_alone(loaded["bias_dense"], rows)
 
 
 def test_model_type_lladamoe_loads_as_llada_moe(folders, tmp_path):
     """dllm's README has users rewrite model_type to "lladamoe": the same family."""
     folder = write_llada_moe(tmp_path / "renamed", seed=2)
-    config = _config(folder) | {"model_type": "lladamoe"}
+    config = config_of(folder) | {"model_type": "lladamoe"}
     (folder / "config.json").write_text(json.dumps(config))
-    ids = _ids((1, 6))
+    ids = token_ids((1, 6))
     with torch.no_grad():
         got = load(str(folder)).model(ids).logits
     torch.testing.assert_close(got, oracle_logits(read_weights(folder), config, ids), **TOL)
@@ -305,19 +256,12 @@ def test_daca_eval_runs_the_checkpoint(folders, tmp_path):
 
 def test_the_memory_plan_counts_active_and_total_parameters(folders):
     shape, _ = model_shape(str(folders["plain"]))
-    c = _config(folders["plain"])
+    c = config_of(folders["plain"])
     d, f, E, k = c["hidden_size"], c["expert_intermediate_size"], c["num_experts"], 2
     experts = 2 * E * 3 * d * f  # 2 layers
     assert shape.layers == 2 and shape.mlp == k * f
     assert shape.parameters - shape.active == experts * (E - k) // E
     assert len(shape.linears) == 2 * (4 + E * 3)
-
-
-def _one_error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, err
-    return errors[0]
 
 
 @pytest.mark.parametrize(
@@ -327,16 +271,15 @@ def _one_error_line(err: str) -> str:
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"qk_layernorm": False}, "qk_layernorm=False"),
         ({"moe_layer_freq": [1]}, "moe_layer_freq"),
-        ({"model_type": "llada2_moe"}, "llada2_moe"),  # LLaDA 2.x: block-causal, refused
         ({"model_type": "Dream", "num_experts": 4}, "mixture of experts"),  # MoE, dense family
     ],
 )
 def test_what_daca_does_not_run_is_one_line_before_any_weight_loads(change, said, tmp_path, capsys):
     folder = write_llada_moe(tmp_path / "m", seed=2)
-    (folder / "config.json").write_text(json.dumps(_config(folder) | change))
+    (folder / "config.json").write_text(json.dumps(config_of(folder) | change))
     for shard in folder.glob("*.safetensors"):
         shard.write_bytes(b"not weights: reading them would fail otherwise")
     code = main(["eval", "--task", "sudoku", "--model", str(folder), "--limit", "2",
                  "--device", "cpu", "--out", str(tmp_path / "e.jsonl")])  # fmt: skip
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert code == 2 and said in line and "llada-moe" in line

@@ -1,5 +1,5 @@
 """Native-family checkpoints in the hub's layout (LLaDA, Dream, dllm's A2D Qwen3, Qwen2 and
-Llama, LLaDA-MoE), trained end to end as a user would.
+Llama, LLaDA-MoE, LLaDA 2.x), trained end to end as a user would.
 
 Each family (tests/_hub.py: real config keys, vocabulary sizes and special ids, poisoned
 ``*.py`` files) goes through ``daca train`` with LoRA and gradient checkpointing for 2 steps; the
@@ -15,11 +15,13 @@ import pytest
 import torch
 from _hub import imported_python, write_dream, write_llada
 from _hub_a2d import write_a2d_llama, write_a2d_qwen2, write_a2d_qwen3
+from _hub_llada2 import write_llada2
 from _hub_moe import write_llada_moe
 
 from daca.cli import main
 from daca.core.modeling import forward_logits
 from daca.models import load
+from daca.models.families import FAMILIES
 from daca.tasks import Task, get_task, register_task
 from daca.train.config import load_config
 from daca.train.trainer import Trainer
@@ -31,6 +33,12 @@ WRITERS = {
     "a2d-qwen2": write_a2d_qwen2,
     "a2d-llama": write_a2d_llama,
     "llada-moe": write_llada_moe,
+    "llada2": write_llada2,  # attention blocks of 8: the completions below are one block
+}
+# The first attention weight of each family's hub layout.
+FIRST_KEY = {
+    "llada": "model.transformer.blocks.0.q_proj.weight",
+    "llada2": "model.layers.0.attention.query_key_value.weight",
 }
 
 
@@ -107,9 +115,9 @@ def test_lora_training_leaves_a_checkpoint_that_evaluates_and_exports(family, hu
     trainer = Trainer(cfg, progress=False)
     peft = trainer.acc.unwrap_model(trainer.model)
     assert peft.get_base_model().is_activation_checkpointing
-    # The adapters sit on the standard projection names, every one of them.
+    # The adapters sit on the family's projection names, every one of them.
     names = {n.split(".")[-2] for n, _ in peft.named_modules() if n.endswith(".lora_A")}
-    assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert names == set(FAMILIES[family].lora_targets)
     hook = writes_only_known_tokens(peft.get_base_model(), trainer.bundle.tokenizer)
     trainer.train()
     hook.remove()
@@ -143,12 +151,7 @@ def test_lora_training_leaves_a_checkpoint_that_evaluates_and_exports(family, hu
     from safetensors import safe_open
 
     keys = set(safe_open(str(index), "pt").keys())
-    first = (
-        "model.transformer.blocks.0.q_proj.weight"
-        if family == "llada"
-        else ("model.layers.0.self_attn.q_proj.weight")
-    )
-    assert first in keys
+    assert FIRST_KEY.get(family, "model.layers.0.self_attn.q_proj.weight") in keys
     assert imported_python(folder) == []
 
 
@@ -189,7 +192,9 @@ def test_one_trl_step(family, setting, hub_dirs, tmp_path):
     if setting == "peft":
         from peft import LoraConfig
 
-        extra["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        # d1's q and v (LLaDA 2.x stores them in one fused projection)
+        targets = ["query_key_value"] if family == "llada2" else ["q_proj", "v_proj"]
+        extra["peft_config"] = LoraConfig(r=4, target_modules=targets)
         kw["beta"] = 0.0
     else:
         kw.update(beta=0.04, activation_checkpointing=False)

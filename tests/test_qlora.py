@@ -10,6 +10,7 @@ import pytest
 import torch
 from _hub import write_dream, write_llada
 from _hub_a2d import write_a2d_llama, write_a2d_qwen2, write_a2d_qwen3
+from _hub_llada2 import write_llada2
 from _hub_moe import write_llada_moe
 from safetensors.torch import load_file, save_file
 
@@ -32,6 +33,8 @@ WRITERS = {
     "a2d-llama": lambda p: write_a2d_llama(p, hidden_size=64, intermediate_size=128, head_dim=16),
     # every layer a mixture of 4 experts of width 64, top 2
     "llada-moe": lambda p: write_llada_moe(p, hidden_size=64, expert_size=64),
+    # the first layer dense, then 4 experts of width 64 and a shared one; attention blocks of 8
+    "llada2": lambda p: write_llada2(p, hidden_size=64, expert_size=64, dense_size=128),
 }
 # The paper recipe with only the model size and the lengths shrunk (and the batch with them).
 SHRUNK = [
@@ -71,6 +74,10 @@ def _projections(folder) -> int:
     precision)."""
     c = json.loads((Path(folder) / "config.json").read_text())
     layers = c.get("num_hidden_layers") or c["n_layers"]
+    if c["model_type"] == "llada2_moe":  # fused q/k/v and dense; dense layers, then experts
+        dense = c["first_k_dense_replace"]
+        experts = c["num_experts"] + (1 if c["num_shared_experts"] else 0)
+        return layers * 2 + 3 * (dense + (layers - dense) * experts)
     return layers * (4 + 3 * c.get("num_experts", 1))
 
 

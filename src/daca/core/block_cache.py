@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from daca.core.modeling import causal_lm_backbone
+from daca.core.modeling import block_causal_mask, causal_lm_backbone
 
 
 def _cache_backbone(model, cache: str):
@@ -16,9 +16,10 @@ def _cache_backbone(model, cache: str):
     base = causal_lm_backbone(model)
     if base is None:
         raise ValueError(
-            f"cache={cache!r} needs a model on transformers' Llama or Qwen2 classes (LLaDA, "
-            f"Dream, daca's tiny models via daca.models.load); {type(model).__name__} has no KV "
-            "cache daca can use: use cache='none'"
+            f"cache={cache!r} needs a model on transformers' Llama, Qwen2, Qwen3 or GLM-4.5-MoE "
+            f"classes (LLaDA, Dream, LLaDA-MoE, LLaDA 2.x, daca's tiny models via "
+            f"daca.models.load); {type(model).__name__} has no KV cache daca can use: use "
+            "cache='none'"
         )
     return base
 
@@ -85,13 +86,20 @@ class BlockCache:
     Dream's logits at i come from the hidden state at i-1 (``DreamForDiffusionLM`` undoes the
     shift within one forward), so for Dream the query span starts one position earlier and that
     position's key is not cached.
+
+    A block-causal model (LLaDA 2.x: ``attention_block``) gets, at every step on cached keys,
+    its [B, 1, q, kv] mask laid out as the keys are stored (``block_causal_mask`` of the whole
+    sequence, its query rows, its key columns in the cache's order): a block never attends to
+    the suffix, and the prefix's keys do not depend on later blocks, so every mode is exact.
     """
 
     def __init__(self, model, mode: str, attn: Tensor | None, prompt_length: int, total: int):
         self.base = _cache_backbone(model, mode)
         self.model, self.mode, self.P = model, mode, prompt_length
         self.shift = getattr(self.base, "logits_shift", 0)  # Dream's 1 (daca.models.native)
-        self.attn = attn
+        self.attention_block = getattr(self.base, "attention_block", None)  # LLaDA 2.x's
+        self.attn, self.total = attn, total
+        self.block_causal: Tensor | None = None  # [B, 1, N, N], made at the first refresh
         if attn is None:
             self.pos = torch.arange(total)[None]
         else:
@@ -186,6 +194,11 @@ class BlockCache:
         cache = Cache(layers=[_RefreshLayer(store) for store in stores])
         keep = torch.arange(a, self.P + end, device=inp.device)
         mask, pos = self._inputs(rows, 0)
+        if self.attention_block is not None and self.block_causal is None:
+            shape = (inp.shape[0], self.total)
+            self.block_causal = block_causal_mask(
+                self.attn, shape, self.attention_block, device=inp.device
+            )
         logits = self._call(cache, inp, mask, pos, keep)[:, self.P + lo - a :]
         self.cache = self._slot_cache()
         return logits
@@ -198,6 +211,8 @@ class BlockCache:
         cache = self._rows_of(rows, a)  # dual: [prefix, suffix] -> prefix
         keep = torch.arange(0, P + end - a, device=inp.device)
         mask, pos = self._inputs(rows, a)
+        if self.block_causal is not None:
+            mask = self._block_causal_rows(rows, a, None, None)
         logits = self._call(cache, inp[:, a:], mask, pos, keep)[:, P + lo - a :]
         for i, layer in enumerate(cache.layers):
             self._store(i, rows, layer.keys, layer.values, prefix=False)
@@ -209,8 +224,21 @@ class BlockCache:
         a, P = self._check_block("block", lo, hi), self.P
         end = P + hi if self.mode == "dual" else inp.shape[1]
         mask, pos = self._inputs(rows, a)
-        if mask is not None and self.mode == "dual":
+        if self.block_causal is not None:
+            order = None  # the keys as stored; dual: prefix, suffix, block
+            if self.mode == "dual":
+                at = torch.arange(self.total, device=inp.device)
+                order = torch.cat([at[:a], at[P + hi :], at[a : P + hi]])
+            mask = self._block_causal_rows(rows, a, end, order)
+        elif mask is not None and self.mode == "dual":
             mask = torch.cat([mask[:, :a], mask[:, P + hi :], mask[:, a : P + hi]], dim=1)
         cache = self._rows_of(rows)
         keep = torch.arange(0, P + hi - a, device=inp.device)
         return self._call(cache, inp[:, a:end], mask, pos[:, : end - a], keep)[:, P + lo - a :]
+
+    def _block_causal_rows(self, rows, start: int, stop: int | None, order: Tensor | None):
+        """A block-causal model's mask for a step on cached keys: query positions
+        ``start``..``stop``-1, key columns in ``order`` (None: in order), batch rows ``rows``."""
+        laid = self.block_causal[:, :, start:stop]
+        laid = laid if order is None else laid[..., order]
+        return laid if rows is None else laid[rows.to(laid.device)]

@@ -82,7 +82,10 @@ def _views_logp(
         comp = torch.where(m, mask_id, completion_ids)
         ids = torch.cat([prompt_ids.expand(c, B, P), comp], dim=2).reshape(c * B, P + L)
         am = None if attn is None else attn.repeat(c, 1)
-        logits = forward_logits(model, ids, am, last=L).unflatten(0, (c, B))  # [c, B, L, V]
+        # The clean completion as context: a block-causal model (LLaDA 2.x) scores each block
+        # given the blocks before it, as the rollout decoded it (daca.core.modeling).
+        context = completion_ids.expand(c, B, L).reshape(c * B, L)
+        logits = forward_logits(model, ids, am, last=L, context=context).unflatten(0, (c, B))
         # Normalise only the rows we read (1/K of them for SML), in at least float32.
         rows = logits[m]
         rows = rows.to(torch.promote_types(rows.dtype, torch.float32))

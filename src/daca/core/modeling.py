@@ -4,7 +4,10 @@ The model returns either a tensor of logits [B, T, V] or an object with ``.logit
 (Hugging Face convention). Logits at position i predict the token at position i;
 adapters for families that shift them (Dream) undo the shift before the core sees them.
 Models on transformers' Llama/Qwen2 classes are also passed ``logits_to_keep`` when the core
-reads only the last positions (a completion's); any other model is called as above.
+reads only the last positions (a completion's); any other model is called as above. A
+block-causal model (LLaDA 2.x, ``attention_block``) builds its mask from the padding mask
+itself; given the clean completion, the likelihoods call it on prompt ++ noised ++ clean
+completion with block diffusion's mask (``block_diffusion_mask``).
 """
 
 from __future__ import annotations
@@ -20,12 +23,20 @@ def forward_logits(
     *,
     last: int | None = None,
     stop: int | None = None,
+    context: Tensor | None = None,
 ) -> Tensor:
     """Run one bidirectional forward and return logits [B, T, V], or those of the positions
     T - ``last`` .. ``stop`` - 1 only (a completion's, or one block of it; ``stop`` defaults to
     T). On transformers' Llama and Qwen2 classes (LLaDA, Dream, the tiny models) the head then
     runs on those positions alone (``logits_to_keep``): with a 126k-token vocabulary it is most
-    of a small model's cost, and the other rows are never read."""
+    of a small model's cost, and the other rows are never read.
+
+    ``context`` [B, last]: the clean completion whose noised version the input's last ``last``
+    positions hold (the likelihoods pass it). A block-causal model (LLaDA 2.x) then scores each
+    block against the clean blocks before it, as its rollout decoded it
+    (``block_diffusion_mask``); every other model ignores it."""
+    if context is not None and (block := attention_block_of(model)) is not None:
+        return _block_diffusion_logits(model, input_ids, attention_mask, context, block, last, stop)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     T = input_ids.shape[1]
     if last is not None and not 0 < last <= T:
@@ -53,19 +64,113 @@ def forward_logits(
     return logits
 
 
+def _block_diffusion_logits(model, input_ids, attention_mask, context, block, last, stop):
+    """``forward_logits`` of a block-causal model given the clean completion ``context``: one
+    forward of [input, context] under ``block_diffusion_mask``; the input's completion rows."""
+    B, N = input_ids.shape
+    L = context.shape[1]
+    if last != L or stop is not None or context.shape[0] != B:
+        raise ValueError(
+            f"context [B, L] goes with last=L (the completion's logits): got context "
+            f"{tuple(context.shape)}, last={last}, stop={stop}, input {tuple(input_ids.shape)}"
+        )
+    real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = (real.long().cumsum(1) - 1).clamp_min(0)
+    mask = block_diffusion_mask(attention_mask, (B, N), L, block, device=input_ids.device)
+    out = model(
+        torch.cat([input_ids, context.to(input_ids)], 1),
+        attention_mask=mask,
+        position_ids=torch.cat([positions, positions[:, N - L :]], 1),
+        logits_to_keep=torch.arange(N - L, N, device=input_ids.device),
+    )
+    return out if isinstance(out, Tensor) else out.logits
+
+
 def causal_lm_backbone(model):
-    """The transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
-    under ``model`` (DDP's or DeepSpeed's ``.module`` and PEFT looked through), or None. Those
-    classes take ``logits_to_keep`` and a KV cache; calls still go through ``model`` itself."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    """The transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` /
+    ``Glm4MoeForCausalLM`` under ``model`` (DDP's or DeepSpeed's ``.module`` and PEFT looked
+    through), or None. Those classes take ``logits_to_keep`` and a KV cache; calls still go
+    through ``model`` itself."""
+    from transformers import (
+        Glm4MoeForCausalLM,
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 
     base = model
     while isinstance(getattr(base, "module", None), torch.nn.Module):
         base = base.module
     if hasattr(base, "get_base_model"):
         base = base.get_base_model()
-    causal_lms = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    causal_lms = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Glm4MoeForCausalLM)
     return base if isinstance(base, causal_lms) else None
+
+
+def attention_block_of(model) -> int | None:
+    """The block of a block-causal model's attention (LLaDA 2.x: ``attention_block``), or None
+    for a bidirectional one."""
+    base = causal_lm_backbone(model)
+    return getattr(base, "attention_block", None) if base is not None else None
+
+
+def _blocks(attention_mask: Tensor | None, shape: tuple[int, int], block: int, device=None):
+    """(block index [B, N] of each position, real [B, N] bool): a row's real tokens in blocks of
+    ``block`` counted back from its last token (``block_causal_mask``)."""
+    B, N = shape
+    if attention_mask is None:
+        real = torch.ones(B, N, dtype=torch.bool, device=device)
+    elif tuple(attention_mask.shape) != (B, N):
+        raise ValueError(
+            f"block-causal attention needs a [B, N] padding mask of the input's shape {(B, N)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    else:
+        real = attention_mask.bool()
+    index = real.long().cumsum(1) - 1  # each real token's place in its row
+    offset = (-real.sum(1, keepdim=True)) % block  # so that the last token ends a block
+    return (index + offset) // block, real
+
+
+def block_causal_mask(
+    attention_mask: Tensor | None, shape: tuple[int, int], block: int, device=None
+) -> Tensor:
+    """[B, 1, N, N] bool of block-causal attention (LLaDA 2.x, block diffusion): query i may
+    attend key j when j is a real token and j's block is not after i's. A row's real tokens are
+    split into blocks of ``block`` counted back from its last token, so that a completion of a
+    multiple of ``block`` tokens begins a block whatever its prompt's length (docs/scale.md); a
+    padding query attends to itself only, so that no row of the attention is empty."""
+    blocks, real = _blocks(attention_mask, shape, block, device)
+    allowed = (blocks[:, None, :] <= blocks[:, :, None]) & real[:, None, :]
+    alone = torch.eye(shape[1], dtype=torch.bool, device=real.device) & ~real[:, :, None]
+    return (allowed | alone)[:, None]
+
+
+def block_diffusion_mask(
+    attention_mask: Tensor | None, shape: tuple[int, int], length: int, block: int, device=None
+) -> Tensor:
+    """[B, 1, N + length, N + length] bool over an input of N positions followed by a clean
+    copy of its last ``length`` (the completion): each block of the input's completion attends
+    to the prompt, to its own block as the input has it and to the *clean* copies of the
+    blocks before it; the clean copy attends block-causally to the prompt and to itself. So one
+    forward scores every block as the rollout decoded it: given the prompt and the tokens it
+    had committed before the block (block diffusion's training pattern)."""
+    B, N = shape
+    if length % block:
+        raise ValueError(
+            f"a completion of {length} tokens is not a whole number of blocks of {block}"
+        )
+    blocks, real = _blocks(attention_mask, shape, block, device)
+    causal = block_causal_mask(attention_mask, shape, block, device)[:, 0]  # [B, N, N]
+    completion = torch.arange(N, device=real.device) >= N - length
+    clean = blocks[:, N - length :]  # the clean copy's blocks [B, length]
+    same = blocks[:, :, None] == blocks[:, None, :]
+    to_input = causal & (~completion[None, None, :] | (completion[None, :, None] & same))
+    to_clean = completion[None, :, None] & (clean[:, None, :] < blocks[:, :, None])
+    clean_to_input = (~completion & real)[:, None, :] & (blocks[:, None, :] <= clean[:, :, None])
+    clean_to_clean = clean[:, None, :] <= clean[:, :, None]
+    top = torch.cat([to_input, to_clean], -1)
+    return torch.cat([top, torch.cat([clean_to_input, clean_to_clean], -1)], -2)[:, None]
 
 
 def full_attention_mask(

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from daca.core.block_cache import BlockCache
-from daca.core.modeling import forward_logits, full_attention_mask
+from daca.core.modeling import attention_block_of, forward_logits, full_attention_mask
 from daca.core.options import check_sampler
 from daca.core.trace import TraceRecorder
 
@@ -424,6 +424,12 @@ def generate(
         dps_scope=dps_scope,
         traced=dps_stride is not None,
     )
+    block = attention_block_of(model)
+    if block is not None and block_length != block:
+        raise ValueError(
+            f"block_length={block_length}, but the model attends block-causally in blocks of "
+            f"{block} (LLaDA 2.x): decode with block_length={block}"
+        )
     recorder = None
     if dps_stride is not None:
         recorder = TraceRecorder(

@@ -13,6 +13,7 @@ builds the model on the meta device, and the shape is read off that module.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +58,11 @@ class Family:
     chat_kwargs: dict = field(default_factory=dict)  # extra variables the template reads
     required_keys: tuple[str, ...] = QWEN_KEYS  # config.json keys the translation reads
     # The family a config.json of this model_type belongs to when it names num_experts
-    # (LLaDA-MoE's says "llada"); mixture_of_experts: this family's own config check applies
-    # (daca.models.native_moe.moe_config_problem), not the dense families' MoE refusal.
+    # (LLaDA-MoE's says "llada"); config_check: "module:function" of a mixture of experts'
+    # own config check (config.json -> a problem or None), which replaces the dense families'
+    # MoE refusal and required keys.
     with_experts: str | None = None
-    mixture_of_experts: bool = False
+    config_check: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -142,8 +144,29 @@ FAMILIES: dict[str, Family] = {
                 "inclusionAI/LLaDA-MoE-7B-A1B-Instruct",
             ),
             known_ids=KnownIds(157184, 156895, (156892,), (156892,)),
-            required_keys=(),  # daca.models.native_moe.moe_config_problem checks its keys
-            mixture_of_experts=True,
+            required_keys=(),  # checked by its config_check
+            config_check="daca.models.native_moe:moe_config_problem",
+        ),
+        # LLaDA 2.0 / 2.1 (Ling 2.0's MoE, run block-causally: daca.models.native_llada2).
+        # The same tokenizer as LLaDA-MoE's (dllm ends its turns with <|role_end|>); mask 156895
+        # and EOS 156892 are the defaults of its modeling code's generate.
+        Family(
+            "llada2",
+            ("llada2_moe", "llada21_moe"),
+            mask_token="<|mask|>",
+            end_tokens=("<|role_end|>",),
+            chat_template="the tokenizer's (turns end in <|role_end|>)",
+            checkpoints=(
+                "inclusionAI/LLaDA2.0-mini",
+                "inclusionAI/LLaDA2.0-flash",
+                "inclusionAI/LLaDA2.1-mini",
+                "inclusionAI/LLaDA2.1-flash",
+            ),
+            known_ids=KnownIds(157184, 156895, (156892,), (156892,)),
+            # Its checkpoint's names: q, k and v are one fused projection, the output "dense".
+            lora_targets=("query_key_value", "dense", "gate_proj", "up_proj", "down_proj"),
+            required_keys=(),
+            config_check="daca.models.native_llada2:llada2_config_problem",
         ),
     )
 }
@@ -166,10 +189,9 @@ def config_problem(family: Family, hub: dict) -> str | None:
     (``daca.models.native``), or None: a mixture of experts under a dense family's name
     (LLaDA-MoE-7B-A1B's config.json says ``llada``), or sizes it lacks."""
     kind = hub.get("model_type")
-    if family.mixture_of_experts:
-        from daca.models.native_moe import moe_config_problem
-
-        problem = moe_config_problem(hub)
+    if family.config_check:
+        module, function = family.config_check.split(":")
+        problem = getattr(importlib.import_module(module), function)(hub)
         return problem and f"config.json says model_type {kind!r} ({family.name}): {problem}"
     moe = [key for key in MOE_KEYS if hub.get(key)]
     if moe:
@@ -222,6 +244,7 @@ class ModelShape:
     linears: tuple[tuple[int, int], ...]
     head_on_completion: bool = False
     active_parameters: int = 0  # a mixture of experts': what one token runs through
+    block_causal: bool = False  # LLaDA 2.x: attention in blocks (daca.models.native_llada2)
 
     @property
     def active(self) -> int:
@@ -349,6 +372,7 @@ def shape_of_module(model) -> ModelShape:
         ),
         head_on_completion=causal_lm_backbone(model) is not None,
         active_parameters=active,
+        block_causal=getattr(model, "attention_block", None) is not None,
     )
 
 

@@ -1,5 +1,6 @@
 """Each native family's transformers class, config translation and checkpoint-key map
-(``daca.models.native``; LLaDA-MoE's in ``daca.models.native_moe``), keyed by the family names
+(``daca.models.native``; LLaDA-MoE's in ``daca.models.native_moe``, LLaDA 2.x's in
+``daca.models.native_llada2``), keyed by the family names
 of ``daca.models.families.FAMILIES``. A table of its own, so that a family's module may build on
 ``native``'s helpers without an import cycle."""
 
@@ -20,6 +21,7 @@ from daca.models.native import (
     llama_config,
     qwen2_config,
 )
+from daca.models.native_llada2 import LLADA2_KEYS, LLaDA2ForDiffusionLM, llada2_config
 from daca.models.native_moe import _BIAS_FROM_HUB, LLaDAMoEForDiffusionLM, llada_moe_config
 
 NATIVE = {
@@ -29,4 +31,5 @@ NATIVE = {
     "a2d-qwen2": (A2DQwen2ForDiffusionLM, partial(a2d_config, Qwen2Config), None),
     "a2d-llama": (A2DLlamaForDiffusionLM, partial(a2d_config, LlamaConfig), None),
     "llada-moe": (LLaDAMoEForDiffusionLM, llada_moe_config, _BIAS_FROM_HUB),
+    "llada2": (LLaDA2ForDiffusionLM, llada2_config, LLADA2_KEYS),
 }

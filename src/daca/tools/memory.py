@@ -130,10 +130,13 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
         # per layer at d 512, MLP 1536, r 128, bench_memory_planner.py).
         inputs = sum(i for i, _ in shape.linears) if cfg.lora.dropout > 0 else 0
         per_layer += act * (inputs + cfg.lora.r * len(shape.linears)) / layers
+    # A block-causal model's likelihoods run prompt, noised and clean completion in one
+    # forward (daca.core.modeling.block_diffusion_mask): L more tokens per sequence.
+    Tu = T + g.gen_length if shape.block_causal else T
     if cfg.gradient_checkpointing:
-        per_forward, recompute = b * T * layers * act * h, b * T * per_layer
+        per_forward, recompute = b * Tu * layers * act * h, b * Tu * per_layer
     else:
-        per_forward, recompute = b * T * layers * per_layer, 0
+        per_forward, recompute = b * Tu * layers * per_layer, 0
     # Each estimator stacks its views in one forward (daca.train.methods: GDPO one per quadrature
     # node, coupled-GRPO 1 + 2λ; SML: K): the largest stacked forward's logits exist at a time;
     # the log-softmax rows of the scored positions are kept in fp32 with their gradient (8 bytes

@@ -1,0 +1,39 @@
+"""Plain-torch pieces of the mixture-of-experts oracles (tests/test_llada_moe.py,
+tests/test_llada2.py): re-statements of the public modeling code, not the transformers classes
+daca builds on."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, positions, theta, rotary=None):
+    """Rotate-half RoPE on the first ``rotary`` (default: all) of each head's D dims of x
+    [B, H, T, D] at ``positions`` [B, T]."""
+    rotary = rotary or x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)
+    ang = positions[:, None, :, None].float() * inv
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    half = torch.cat([-rot[..., rotary // 2 :], rot[..., : rotary // 2]], -1)
+    return torch.cat([rot * cos + half * sin, rest], -1)
+
+
+def swiglu(x, w, prefix):
+    gate, up = x @ w[prefix + "gate_proj.weight"].T, x @ w[prefix + "up_proj.weight"].T
+    return (F.silu(gate) * up) @ w[prefix + "down_proj.weight"].T
+
+
+def config_of(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def token_ids(shape, seed=0):
+    return torch.randint(0, 250, shape, generator=torch.Generator().manual_seed(seed))
