@@ -178,8 +178,9 @@ def test_a_block_never_sees_a_later_one(loaded):
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
 def test_cached_block_steps_equal_the_full_forward(mode, loaded):
-    """Every block of a left-padded batch: the refresh and a step on the cache give the full
-    forward's logits (the step's mask laid out as the cache stores its keys)."""
+    """Every block of a left-padded batch: the refresh, the extension by the block before it,
+    a suffix refresh and a step on the cache give the full forward's logits (the step's mask
+    laid out as the cache stores its keys)."""
     bundle = loaded["biased"]
     prompt, attn = _padded(bundle, lengths=(3, 6))
     P, L = prompt.shape[1], 3 * BLOCK
@@ -193,6 +194,15 @@ def test_cached_block_steps_equal_the_full_forward(mode, loaded):
             cache = BlockCache(bundle.model, mode, attn, P, P + L)
             torch.testing.assert_close(cache.refresh(x, lo, hi, L), full[:, P + lo :], **TOL)
             torch.testing.assert_close(cache.block(x, lo, hi), full[:, P + lo : P + hi], **TOL)
+        # One cache through the blocks: a refresh, then each next block extends it.
+        cache = BlockCache(bundle.model, mode, attn, P, P + L)
+        cache.refresh(x, 0, BLOCK, L)
+        for c in range(1, L // BLOCK):
+            lo, hi = c * BLOCK, (c + 1) * BLOCK
+            torch.testing.assert_close(cache.extend(x, lo, hi, L), full[:, P + lo :], **TOL)
+            torch.testing.assert_close(cache.block(x, lo, hi), full[:, P + lo : P + hi], **TOL)
+            got = cache.refresh_suffix(x, lo, hi, L)  # a refresh within the block
+            torch.testing.assert_close(got, full[:, P + lo :], **TOL)
 
 
 def _with_each_cache(bundle, prompt, attn, **kw):
@@ -212,7 +222,9 @@ def _with_each_cache(bundle, prompt, attn, **kw):
 
 def test_generation_with_either_cache_equals_no_cache_to_the_token_and_the_trace(loaded):
     """Under block-causal attention the cached prefix never goes stale: prefix and dual give
-    the tokens, births and DPS trace of no cache, at one refresh per block."""
+    the tokens, births and DPS trace of no cache, with one full forward in all (the first
+    block's start), the next block's start extending the cache and the recorded steps
+    recomputing only the block and its suffix."""
     bundle = loaded["plain"]
     prompt, attn = _padded(bundle, lengths=(4, 9))
     kw = dict(mask_id=bundle.mask_id, gen_length=2 * BLOCK, steps=8, block_length=BLOCK,
@@ -222,7 +234,8 @@ def test_generation_with_either_cache_equals_no_cache_to_the_token_and_the_trace
         assert torch.equal(runs[cache].sequences, runs["none"].sequences)
         assert torch.equal(runs[cache].birth_step, runs["none"].birth_step)
         torch.testing.assert_close(runs[cache].progress_logp, runs["none"].progress_logp, **TOL)
-    assert runs["dual"].forwards == {"full": 4, "block": 4}  # block starts and steps 3, 6
+    # steps t = 0 (full), 4 (extend), 3 and 6 (recorded: suffix), 4 block steps
+    assert runs["dual"].forwards == {"full": 1, "extend": 1, "suffix": 2, "block": 4}
 
 
 def test_parallel_decoding_with_either_cache_equals_no_cache(folders):

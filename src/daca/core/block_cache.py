@@ -219,6 +219,26 @@ class BlockCache:
         self.cache = self._slot_cache()
         return logits
 
+    def extend(self, inp: Tensor, lo: int, hi: int, end: int, rows: Tensor | None = None):
+        """A block-causal model's refresh at the start of block lo..hi-1 (lo > 0): the block
+        before it, now final, and everything after recomputed against the cached prompt and
+        earlier blocks, which nothing they attend to has changed since they were cached; logits
+        of positions lo..end-1. Exact: the refresh's logits and keys, at L - lo + block query
+        positions instead of P + L."""
+        if self.attention_block is None or lo == 0 or lo != self.hi:
+            raise RuntimeError("BlockCache.extend: a block-causal model's next block only")
+        start, P = self.P + lo - self.attention_block, self.P  # the block just finished
+        self.a, self.hi = P + lo, hi
+        cache = self._rows_of(rows, start)
+        keep = torch.arange(P + lo - start, P + end - start, device=inp.device)
+        _, pos = self._inputs(rows, start)
+        mask = self._block_causal_rows(rows, start, None, None)
+        logits = self._call(cache, inp[:, start:], mask, pos, keep)
+        for i, layer in enumerate(cache.layers):
+            self._store(i, rows, layer.keys, layer.values)
+        self.cache = self._slot_cache()
+        return logits
+
     def block(self, inp: Tensor, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         """One block step on the cache of the last refresh: logits of positions lo..hi-1."""
         a, P = self._check_block("block", lo, hi), self.P

@@ -140,11 +140,18 @@ def top_confidence_mask(confidence: Tensor, counts: list[int]) -> Tensor:
     return commit
 
 
-def _forward_kind(block_cache, i: int, traced: bool, refresh_every, trace_refresh) -> str:
-    """Which forward a step runs (docs/rollouts.md): "full" (no cache, a block start, every
-    ``refresh_every``-th step of a block, a recorded step), "suffix" (a recorded step with
-    ``trace_refresh="suffix"``) or "block"."""
-    if block_cache is None or i == 0 or (refresh_every is not None and i % refresh_every == 0):
+def _forward_kind(block_cache, c: int, i: int, traced: bool, refresh_every, trace_refresh) -> str:
+    """Which forward step i of block c runs (docs/rollouts.md): "full" (no cache, a block start,
+    every ``refresh_every``-th step of a block, a recorded step), "suffix" (a recorded step with
+    ``trace_refresh="suffix"``) or "block". Under block-causal attention (LLaDA 2.x) the cached
+    prompt and earlier blocks never go stale, so a later block's start only "extend"s the cache
+    by the block just finished, and a refresh within a block is a "suffix" one: both exact."""
+    refresh = i == 0 or (refresh_every is not None and i % refresh_every == 0)
+    if block_cache is not None and block_cache.attention_block is not None:
+        if i == 0:
+            return "full" if c == 0 else "extend"
+        return "suffix" if refresh or traced else "block"
+    if block_cache is None or refresh:
         return "full"
     if traced:
         return "full" if trace_refresh == "full" else "suffix"
@@ -189,6 +196,8 @@ class _Sampler:
         self.clock = torch.zeros(B, dtype=torch.long, device=device)  # each row's own step t_b
         self.everyone = torch.ones(B, dtype=torch.bool, device=device)
         suffix = {"suffix": 0} if trace_refresh == "suffix" else {}
+        if self.block_cache is not None and self.block_cache.attention_block is not None:
+            suffix = {"extend": 0, "suffix": 0}
         self.forwards = {"full": 0, "block": 0} | suffix
         self.rows_forwarded = 0  # rows run through those forwards (B each without a threshold)
         self.t = 0  # the global step
@@ -258,8 +267,8 @@ class _Sampler:
         """
         cache, every = self.block_cache, self.refresh_every
         rec = torch.zeros_like(active) if recorded is None else recorded
-        kind_rec = _forward_kind(cache, i, True, every, self.trace_refresh)
-        kind_plain = _forward_kind(cache, i, False, every, self.trace_refresh)
+        kind_rec = _forward_kind(cache, lo // self.bl, i, True, every, self.trace_refresh)
+        kind_plain = _forward_kind(cache, lo // self.bl, i, False, every, self.trace_refresh)
         groups = [(rec, kind_rec, end), (active & ~rec, kind_plain, hi)]
         groups = [g for g in groups if bool(g[0].any())]
         if len(groups) == 2 and kind_rec == kind_plain:  # one forward serves both
@@ -289,6 +298,8 @@ class _Sampler:
             logits = cache.refresh(inp, lo, hi, end, sel)
         elif kind == "suffix":
             logits = cache.refresh_suffix(inp, lo, hi, end, sel)
+        elif kind == "extend":
+            logits = cache.extend(inp, lo, hi, end, sel)
         else:
             logits = cache.block(inp, lo, hi, sel)
         self.forwards[kind] += 1
@@ -395,7 +406,10 @@ def generate(
     that is not a refresh anyway reuse the cached prompt and earlier blocks and recompute only
     the block and its suffix (``Rollout.forwards["suffix"]``): dual s = 4 above becomes 8 full +
     24 suffix + 96 block = 9600 (5.1x), and the recorded logits are approximate in the prefix
-    keys.
+    keys. For a block-causal model (LLaDA 2.x) every cached step is exact: one full forward,
+    each later block's start an extension by the block just finished, recorded steps suffix
+    refreshes (``Rollout.forwards["extend"]``, ``["suffix"]``); the tokens and trace are
+    those of "none".
 
     parallel_threshold=τ: each step commits every masked position of the current block whose
     confidence exceeds τ, at least one and at least what LLaDA's schedule still owes (so no block
