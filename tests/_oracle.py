@@ -37,3 +37,20 @@ def config_of(folder) -> dict:
 
 def token_ids(shape, seed=0):
     return torch.randint(0, 250, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def block_causal_pattern(mask, block):
+    """[B, T, T] bool of block-causal attention, row by row: a row's real tokens in blocks of
+    ``block`` counted back from its last, a query attending to the real keys of its block and
+    of the blocks before it (a padding query to itself)."""
+    B, T = mask.shape
+    out = torch.zeros(B, T, T, dtype=torch.bool)
+    for r in range(B):
+        real = [i for i in range(T) if mask[r, i]]
+        shift = (-len(real)) % block
+        block_of = {i: (n + shift) // block for n, i in enumerate(real)}
+        for i in range(T):
+            for j in real:
+                out[r, i, j] = i in block_of and block_of[j] <= block_of[i]
+            out[r, i, i] |= i not in block_of
+    return out

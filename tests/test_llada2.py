@@ -12,7 +12,7 @@ import pytest
 import torch
 from _hub import imported_python, read_weights
 from _hub_llada2 import BLOCK, write_llada2
-from _oracle import config_of, rms, rope, swiglu, token_ids
+from _oracle import block_causal_pattern, config_of, rms, rope, swiglu, token_ids
 from conftest import (
     assert_batch_generates_each_prompt_alone,
     left_pad,
@@ -77,23 +77,6 @@ def _moe(x, w, b, c):
     return out
 
 
-def oracle_mask(mask):
-    """[B, 1, T, T] of the block-causal pattern, row by row: a row's real tokens in blocks of
-    BLOCK counted back from its last, a query attending to the real keys of its block and the
-    blocks before it (a padding query to itself)."""
-    B, T = mask.shape
-    out = torch.zeros(B, 1, T, T, dtype=torch.bool)
-    for r in range(B):
-        real = [i for i in range(T) if mask[r, i]]
-        shift = (-len(real)) % BLOCK
-        block = {i: (n + shift) // BLOCK for n, i in enumerate(real)}
-        for i in range(T):
-            for j in real:
-                out[r, 0, i, j] = i in block and block[j] <= block[i]
-            out[r, 0, i, i] |= i not in block
-    return out
-
-
 def oracle_logits(w, c, ids, attention_mask=None):
     """LLaDA 2.x's forward as its modeling code computes it under the block-causal mask,
     positions from the first real token of each row."""
@@ -108,7 +91,9 @@ def oracle_logits(w, c, ids, attention_mask=None):
     rotary = int(D * c["partial_rotary_factor"])
     x = w["model.word_embeddings.weight"][ids]
     B, T, _ = x.shape
-    bias = torch.zeros(B, 1, T, T).masked_fill(~oracle_mask(mask), float("-inf"))
+    bias = torch.zeros(B, 1, T, T).masked_fill(
+        ~block_causal_pattern(mask, BLOCK)[:, None], float("-inf")
+    )
     for i in range(c["num_hidden_layers"]):
         b = f"model.layers.{i}."
         h = rms(x, w[b + "input_layernorm.weight"], eps)
@@ -215,7 +200,7 @@ def _with_each_cache(bundle, prompt, attn, **kw):
             generator=torch.Generator().manual_seed(4),
             cache=cache,
             **kw,
-        )  # fmt: skip
+        )
         for cache in ("none", "prefix", "dual")
     }
 

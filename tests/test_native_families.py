@@ -203,7 +203,8 @@ def rope(x, positions, arch: Arch):
 
 
 def attention(x, p, arch: Arch, positions, key_mask):
-    """Bidirectional multi-head attention over x [B, T, C]; key_mask [B, T] True = real."""
+    """Multi-head attention over x [B, T, C]; key_mask [B, T] True = real (bidirectional), or
+    [B, T, T] the keys each query attends (a block-causal pattern)."""
     B, T, _ = x.shape
     D = arch.head_dim
     q = F.linear(x, p["q"], p["q_bias"]).view(B, T, arch.n_heads, D)
@@ -216,7 +217,8 @@ def attention(x, p, arch: Arch, positions, key_mask):
     group = arch.n_heads // arch.n_kv_heads  # query head h reads key/value head h // group
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(D)
-    scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    keys = key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None]
+    scores = scores.masked_fill(~keys, float("-inf"))
     out = scores.softmax(-1) @ v  # [B, H, T, D]
     return F.linear(out.transpose(1, 2).reshape(B, T, arch.n_heads * D), p["o"])
 
@@ -227,15 +229,18 @@ def block(x, p, arch: Arch, positions, key_mask):
     return x + F.linear(F.silu(F.linear(h, p["gate"])) * F.linear(h, p["up"]), p["down"])
 
 
-def oracle_logits(weights, arch: Arch, input_ids, attention_mask=None, positions=None):
+def oracle_logits(
+    weights, arch: Arch, input_ids, attention_mask=None, positions=None, pattern=None
+):
     """Logits [B, T, V] with logits[:, i] predicting token i (Dream's shift undone).
 
     attention_mask [B, T] (1 = real token) masks padding as a key; positions default to
-    counting from each row's first real token.
+    counting from each row's first real token; ``pattern`` [B, T, T], if given, the keys each
+    query attends instead.
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    key_mask = attention_mask.bool()
+    key_mask = attention_mask.bool() if pattern is None else pattern
     if positions is None:
         positions = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
     x = arch.embedding(weights)[input_ids]

@@ -42,6 +42,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from daca.core.modeling import block_causal_mask
+
 # LLaDA's hub names beside Llama's: the model's top level, then each block's.
 _TOP_NAMES = [("wte", "model.embed_tokens"), ("ln_f", "model.norm"), ("ff_out", "lm_head")]
 _BLOCK_NAMES = [
@@ -256,6 +258,10 @@ def a2d_config(config_class, hub: dict, **overrides):
 
 def _bidirectional_config(config, hub: dict):
     config.is_causal = False  # transformers' mask builders then make a bidirectional mask
+    block = hub.get("attention_block_size")  # daca's key: block-causal attention in blocks
+    if block is not None and (not isinstance(block, int) or block < 1):
+        raise ValueError(f"attention_block_size must be a positive integer, got {block!r}")
+    config.attention_block = block
     config.use_cache = False  # a diffusion forward caches nothing unless a sampler asks
     config.hub_config = dict(hub)  # written back as config.json on save
     config.mask_token_id = hub.get("mask_token_id")
@@ -321,7 +327,9 @@ class _HubLayout:
 class _Bidirectional:
     """The diffusion forward over a transformers causal-LM class: no causal mask, positions
     from the attention mask, and logits shifted right by ``logits_shift`` (Dream's 1: its
-    hidden state at i - 1 predicts token i)."""
+    hidden state at i - 1 predicts token i). With ``config.attention_block`` (LLaDA 2.x; a
+    config.json's ``attention_block_size``, e.g. dllm's BD3LM-trained A2D models) attention is
+    block-causal instead (``daca.core.modeling.block_causal_mask``)."""
 
     logits_shift = 0
 
@@ -329,9 +337,35 @@ class _Bidirectional:
         config.is_causal = False
         super().__init__(config)
         _no_causal_attention(self)
+        if self.attention_block is not None and self.logits_shift:
+            raise ValueError("block-causal attention with shifted logits (Dream) is not supported")
+
+    @property
+    def attention_block(self) -> int | None:
+        """The block of block-causal attention, which the sampler decodes in; None when the
+        attention is bidirectional."""
+        return getattr(self.config, "attention_block", None)
+
+    def _block_causal(self, input_ids, attention_mask, kwargs):
+        """A full forward's block-causal mask, built from its padding mask; a cached step's
+        [B, 1, q, kv] mask (daca.core.block_cache lays it out) passes through."""
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return attention_mask
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(
+                "a cached step of a block-causal model needs a [B, 1, q, kv] mask over the "
+                "cached keys (daca.core.block_cache builds it), not a padding mask"
+            )
+        inputs = input_ids if input_ids is not None else kwargs["inputs_embeds"]
+        return block_causal_mask(
+            attention_mask, inputs.shape[:2], self.attention_block, device=inputs.device
+        )
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         position_ids = _positions_from_mask(attention_mask, input_ids, position_ids)
+        if self.attention_block is not None:
+            attention_mask = self._block_causal(input_ids, attention_mask, kwargs)
         out = super().forward(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )

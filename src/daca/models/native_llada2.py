@@ -38,8 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
 
-from daca.core.modeling import block_causal_mask
-from daca.models.native import _HubLayout
+from daca.models.native import _Bidirectional, _HubLayout
 from daca.models.native_moe import _Experts
 
 ATTENTION_BLOCK = 32  # LLaDA 2.x's block (dllm's LLaDA2SamplerConfig.block_size)
@@ -298,48 +297,20 @@ _TO_LLADA2 = {
 }
 
 
-class LLaDA2ForDiffusionLM(_HubLayout, Glm4MoeForCausalLM):
+class LLaDA2ForDiffusionLM(_HubLayout, _Bidirectional, Glm4MoeForCausalLM):
     """transformers' ``Glm4MoeForCausalLM`` with LLaDA 2.x's fused attention and MoE blocks,
-    run block-causally (``daca.core.modeling.block_causal_mask``), positions from the attention
-    mask, saved in LLaDA 2.x's hub layout. Being a ``Glm4MoeForCausalLM``, it takes
-    ``logits_to_keep`` and transformers' caches (the sampler's block cache, which lays out a
-    block-causal mask over the keys it stores)."""
+    run block-causally in blocks of ``attention_block`` (``_Bidirectional``: the forward builds
+    the mask from the padding mask, ``daca.core.modeling.block_causal_mask``), positions from
+    the attention mask, saved in LLaDA 2.x's hub layout. Being a ``Glm4MoeForCausalLM``, it
+    takes ``logits_to_keep`` and transformers' caches (the sampler's block cache, which lays
+    out a block-causal mask over the keys it stores)."""
 
     hub_config_of = staticmethod(llada2_hub_config)
     to_hub_keys = _TO_LLADA2
 
     def __init__(self, config):
-        config.is_causal = False
         super().__init__(config)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = _FusedAttention(config, i)
             if i >= config.first_k_dense_replace:
                 layer.mlp = _MoeBlock(config)
-
-    @property
-    def attention_block(self) -> int:
-        """The block of the block-causal attention: the sampler decodes in blocks of it."""
-        return self.config.attention_block
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
-        """A full forward (no mask, or a [B, N] padding mask) builds the block-causal mask
-        itself; a cached step (daca.core.block_cache) passes its own [B, 1, q, kv] mask."""
-        shape = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[:2]
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if attention_mask is None or attention_mask.dim() == 2:
-            if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError(
-                    "a cached step of LLaDA 2.x needs a [B, 1, q, kv] block-causal mask over "
-                    "the cached keys (daca.core.block_cache builds it), not a padding mask"
-                )
-            device = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).device
-            if position_ids is None:  # counted from each row's first real token
-                real = (
-                    torch.ones(shape, device=device) if attention_mask is None else attention_mask
-                )
-                position_ids = (real.long().cumsum(1) - 1).clamp_min(0)
-            block = self.config.attention_block
-            attention_mask = block_causal_mask(attention_mask, shape, block, device=device)
-        return super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
