@@ -28,7 +28,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout_cache import SETTING, SIZES, prompts, with_steady_allocator  # noqa: E402
+from bench_rollout_cache import (  # noqa: E402
+    SETTING,
+    SIZES,
+    interleaved,
+    prompts,
+    speedup_row,
+    with_steady_allocator,
+)
 
 from daca.core.sampler import generate  # noqa: E402
 from daca.models.native_llada2 import LLaDA2ForDiffusionLM, llada2_config  # noqa: E402
@@ -65,6 +72,10 @@ def block_causal_bound(P, L, T, bl, stride, mode):
     return T * (P + L) / total
 
 
+def bound_of(size, mode, stride):
+    return block_causal_bound(size["prompt"], size["L"], size["T"], size["block"], stride, mode)
+
+
 def timed(model, prompt, size, mode, stride):
     t0 = time.process_time()
     with torch.no_grad():
@@ -97,24 +108,11 @@ def main():
         size = SETTING | arch
         model = random_llada2(**arch, vocab=size["vocab"], block=size["block"])
         prompt = prompts(size, args.batch)
-        runs = {v: [] for v in variants}
-        for _ in range(args.repeats):  # interleaved, so that a busy spell hits every variant
-            for v in variants:
-                runs[v].append(timed(model, prompt, size, *v))
+        runs = interleaved(model, prompt, size, variants, args.repeats, timed)
         median = {v: statistics.median(r[0] for r in runs[v]) for v in variants}
-        base = median[("none", None)]
-        same = all(
-            torch.equal(r[1].sequences, runs[("none", None)][0][1].sequences)
-            for v in variants
-            for r in runs[v]
-        )
-        row = f"{name:<6}{base:>8.1f}"
-        for v in variants[1:]:
-            P, L, T, bl = size["prompt"], size["L"], size["T"], size["block"]
-            bound = block_causal_bound(P, L, T, bl, v[1], v[0])
-            up = base / median[v]
-            row += f"{median[v]:>{8 if v[1] is None else 14}.1f}{up:>9.2f}x{bound:>6.2f}x"
-            row += f"{up / bound:>6.0%}"
+        none = runs[("none", None)][0][1].sequences
+        same = all(torch.equal(r[1].sequences, none) for v in variants for r in runs[v])
+        row = speedup_row(name, median, variants, lambda v, size=size: bound_of(size, *v))
         print(row + f"  {same}", flush=True)
 
 

@@ -131,6 +131,28 @@ def bound_of(size, mode, stride, trace_refresh="full"):
     return cost_bound(P, L, T, bl, stride, mode, trace_refresh)
 
 
+def interleaved(model, prompt, size, variants, repeats, run) -> dict:
+    """{variant: [run(model, prompt, size, *variant) per repeat]}, the variants interleaved
+    so that a busy spell hits every one."""
+    runs = {v: [] for v in variants}
+    for _ in range(repeats):
+        for v in variants:
+            runs[v].append(run(model, prompt, size, *v))
+    return runs
+
+
+def speedup_row(name, median, variants, bound) -> str:
+    """A table row: none's seconds, then each cached variant's seconds, speed-up over none,
+    its bound (``bound(variant)``) and the fraction of the bound reached."""
+    base = median[variants[0]]
+    row = f"{name:<6}{base:>8.1f}"
+    for v in variants[1:]:
+        up, limit = base / median[v], bound(v)
+        row += f"{median[v]:>{8 if v[1] is None else 14}.1f}{up:>9.2f}x{limit:>6.2f}x"
+        row += f"{up / limit:>6.0%}"
+    return row
+
+
 def by_size(args):
     """The default table: none, dual and dual with the trace at each of ``SIZES``."""
     print(
@@ -145,18 +167,9 @@ def by_size(args):
         size = SETTING | arch
         model = random_llada(**arch, vocab=size["vocab"], positions=size["prompt"] + size["L"])
         prompt = prompts(size, args.batch)
-        runs = {v: [] for v in variants}
-        for _ in range(args.repeats):  # interleaved, so that a busy spell hits every variant
-            for v in variants:
-                runs[v].append(timed(model, prompt, size, *v))
+        runs = interleaved(model, prompt, size, variants, args.repeats, timed)
         median = {v: statistics.median(r[0] for r in runs[v]) for v in variants}
-        base = median[("none", None)]
-        row = f"{name:<6}{base:>8.1f}"
-        for v in variants[1:]:
-            bound = bound_of(size, *v)
-            up = base / median[v]
-            row += f"{median[v]:>{8 if v[1] is None else 14}.1f}{up:>9.2f}x{bound:>6.2f}x"
-            row += f"{up / bound:>6.0%}"
+        row = speedup_row(name, median, variants, lambda v, size=size: bound_of(size, *v))
         in_model = statistics.median(r[1] / r[0] for r in runs[variants[2]])
         print(row + f"{in_model:>10.0%}", flush=True)
 

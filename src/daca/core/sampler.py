@@ -442,7 +442,8 @@ def generate(
     if block is not None and block_length != block:
         raise ValueError(
             f"block_length={block_length}, but the model attends block-causally in blocks of "
-            f"{block} (LLaDA 2.x): decode with block_length={block}"
+            f"{block} (LLaDA 2.x, or config.json's attention_block_size): decode with "
+            f"block_length={block}"
         )
     recorder = None
     if dps_stride is not None:

@@ -121,7 +121,7 @@ def llada2_config(hub: dict, **overrides) -> LLaDA2Config:
         n_routed_experts=int(hub["num_experts"]),
         num_experts_per_tok=int(hub["num_experts_per_tok"]),
         moe_intermediate_size=int(hub["moe_intermediate_size"]),
-        n_shared_experts=int(shared or 0),
+        n_shared_experts=1,  # GLM's own MoE blocks (replaced by _MoeBlock) always have one
         n_group=int(hub.get("n_group") or 1),
         topk_group=int(hub.get("topk_group") or 1),
         routed_scaling_factor=float(hub.get("routed_scaling_factor", 2.5)),
@@ -132,6 +132,7 @@ def llada2_config(hub: dict, **overrides) -> LLaDA2Config:
         **overrides,
     )
     config.num_experts = config.n_routed_experts  # read by native_moe._Experts
+    config.shared_experts = int(shared or 0)  # read by _MoeBlock
     config.output_bias = bool(hub.get("use_bias", True))  # the attention's dense bias
     config.attention_block = int(hub.get("attention_block_size", ATTENTION_BLOCK))
     config.mask_token_id = hub.get("mask_token_id")
@@ -166,7 +167,7 @@ def llada2_hub_config(config: LLaDA2Config) -> dict:
         num_experts=config.n_routed_experts,
         num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.moe_intermediate_size,
-        num_shared_experts=config.n_shared_experts or None,
+        num_shared_experts=config.shared_experts or None,
         n_group=config.n_group,
         topk_group=config.topk_group,
         routed_scaling_factor=config.routed_scaling_factor,
@@ -272,7 +273,7 @@ class _MoeBlock(nn.Module):
         super().__init__()
         self.gate = _GroupRouter(config)
         self.experts = _Experts(config)
-        width = config.moe_intermediate_size * config.n_shared_experts
+        width = config.moe_intermediate_size * config.shared_experts
         self.shared_experts = Qwen3MoeMLP(config, intermediate_size=width) if width else None
 
     def forward(self, hidden_states):
