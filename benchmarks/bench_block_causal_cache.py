@@ -13,7 +13,8 @@ model's bound on it and the fraction of the bound reached.
 The bound counts token-forwards (a forward's cost taken as its query length): none runs T full
 forwards of P + L; dual one full forward (the first block's start), at each later block c's
 start an extension from the block before it (L - (c - 1) block), at each recorded step within
-a block a suffix refresh (L - c block), at every other step the block alone.
+a block a suffix refresh (L - c block; in the last block that is the block alone), at every
+other step the block alone.
 
     python benchmarks/bench_block_causal_cache.py                 # d 128/256/512, batch 8
     python benchmarks/bench_block_causal_cache.py --sizes d128    # one size

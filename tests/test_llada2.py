@@ -208,8 +208,8 @@ def _with_each_cache(bundle, prompt, attn, **kw):
 def test_generation_with_either_cache_equals_no_cache_to_the_token_and_the_trace(loaded):
     """Under block-causal attention the cached prefix never goes stale: prefix and dual give
     the tokens, births and DPS trace of no cache, with one full forward in all (the first
-    block's start), the next block's start extending the cache and the recorded steps
-    recomputing only the block and its suffix."""
+    block's start), the next block's start extending the cache and a recorded step recomputing
+    only the block and its suffix, or only the block when it reads nothing past it."""
     bundle = loaded["plain"]
     prompt, attn = _padded(bundle, lengths=(4, 9))
     kw = dict(mask_id=bundle.mask_id, gen_length=2 * BLOCK, steps=8, block_length=BLOCK,
@@ -219,8 +219,25 @@ def test_generation_with_either_cache_equals_no_cache_to_the_token_and_the_trace
         assert torch.equal(runs[cache].sequences, runs["none"].sequences)
         assert torch.equal(runs[cache].birth_step, runs["none"].birth_step)
         torch.testing.assert_close(runs[cache].progress_logp, runs["none"].progress_logp, **TOL)
-    # steps t = 0 (full), 4 (extend), 3 and 6 (recorded: suffix), 4 block steps
-    assert runs["dual"].forwards == {"full": 1, "extend": 1, "suffix": 2, "block": 4}
+    # t = 0 full, 4 extend, 3 recorded (reads block 1: a suffix refresh), 6 recorded in the last
+    # block (reads nothing past it: a block step), 1, 2, 5, 7 block steps
+    assert runs["dual"].forwards == {"full": 1, "extend": 1, "suffix": 1, "block": 5}
+
+
+def test_the_trace_in_scope_block_refreshes_only_what_it_reads(loaded):
+    """A recorded step that reads only its block is, under block-causal attention, exactly a
+    block step (no refresh), and the trace equals no cache's."""
+    bundle = loaded["plain"]
+    prompt, attn = _padded(bundle, lengths=(4, 9))
+    kw = dict(mask_id=bundle.mask_id, gen_length=2 * BLOCK, steps=8, block_length=BLOCK,
+              temperature=0.9, dps_stride=3, dps_scope="block")  # fmt: skip
+    runs = _with_each_cache(bundle, prompt, attn, **kw)
+    for cache in ("prefix", "dual"):
+        assert torch.equal(runs[cache].sequences, runs["none"].sequences)
+        torch.testing.assert_close(runs[cache].progress_logp, runs["none"].progress_logp, **TOL)
+    # t = 3, block 0's last step, reads block 1 too (its interval to t = 6 reaches into it): a
+    # suffix refresh; t = 6 reads its own block only: a block step
+    assert runs["dual"].forwards == {"full": 1, "extend": 1, "suffix": 1, "block": 5}
 
 
 def test_parallel_decoding_with_either_cache_equals_no_cache(folders):

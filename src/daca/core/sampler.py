@@ -269,6 +269,11 @@ class _Sampler:
         rec = torch.zeros_like(active) if recorded is None else recorded
         kind_rec = _forward_kind(cache, lo // self.bl, i, True, every, self.trace_refresh)
         kind_plain = _forward_kind(cache, lo // self.bl, i, False, every, self.trace_refresh)
+        if cache is not None and cache.attention_block is not None:
+            # Block-causal: a step that reads no position past the block (the trace in scope
+            # "block", a refresh_every step) is exact as a block step.
+            kind_rec = "block" if kind_rec == "suffix" and end == hi else kind_rec
+            kind_plain = "block" if kind_plain == "suffix" else kind_plain
         groups = [(rec, kind_rec, end), (active & ~rec, kind_plain, hi)]
         groups = [g for g in groups if bool(g[0].any())]
         if len(groups) == 2 and kind_rec == kind_plain:  # one forward serves both
@@ -408,8 +413,8 @@ def generate(
     24 suffix + 96 block = 9600 (5.1x), and the recorded logits are approximate in the prefix
     keys. For a block-causal model (LLaDA 2.x) every cached step is exact: one full forward,
     each later block's start an extension by the block just finished, recorded steps suffix
-    refreshes (``Rollout.forwards["extend"]``, ``["suffix"]``); the tokens and trace are
-    those of "none".
+    refreshes (``Rollout.forwards["extend"]``, ``["suffix"]``), or block steps when they read
+    nothing past the block; the tokens and trace are those of "none".
 
     parallel_threshold=τ: each step commits every masked position of the current block whose
     confidence exceeds τ, at least one and at least what LLaDA's schedule still owes (so no block
