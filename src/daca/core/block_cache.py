@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from daca.core.modeling import block_causal_mask, causal_lm_backbone
+from daca.core.modeling import block_causal_mask, causal_lm_backbone, padded_positions
 
 
 def _cache_backbone(model, cache: str):
@@ -103,7 +103,7 @@ class BlockCache:
         if attn is None:
             self.pos = torch.arange(total)[None]
         else:
-            self.pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
+            self.pos = padded_positions(attn)
         # per layer, keys and values [B, H, P+L, D] in the order block steps read them
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []

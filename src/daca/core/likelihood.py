@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from daca.core.modeling import forward_logits, full_attention_mask
+from daca.core.modeling import attention_block_of, forward_logits, full_attention_mask
 from daca.core.options import STRATA, check_mode, check_num_strata
 
 
@@ -75,6 +75,7 @@ def _views_logp(
     if chunk < 1:
         raise ValueError(f"views_per_forward must be >= 1 or None, got {views_per_forward}")
     attn = full_attention_mask(attention_mask, prompt_ids, L)
+    block_causal = attention_block_of(model) is not None
     out = []
     for start in range(0, n_views, chunk):
         m = masks[start : start + chunk]  # [c, B, L]
@@ -84,7 +85,7 @@ def _views_logp(
         am = None if attn is None else attn.repeat(c, 1)
         # The clean completion as context: a block-causal model (LLaDA 2.x) scores each block
         # given the blocks before it, as the rollout decoded it (daca.core.modeling).
-        context = completion_ids.expand(c, B, L).reshape(c * B, L)
+        context = completion_ids.repeat(c, 1) if block_causal else None
         logits = forward_logits(model, ids, am, last=L, context=context).unflatten(0, (c, B))
         # Normalise only the rows we read (1/K of them for SML), in at least float32.
         rows = logits[m]

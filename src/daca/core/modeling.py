@@ -74,8 +74,9 @@ def _block_diffusion_logits(model, input_ids, attention_mask, context, block, la
             f"context [B, L] goes with last=L (the completion's logits): got context "
             f"{tuple(context.shape)}, last={last}, stop={stop}, input {tuple(input_ids.shape)}"
         )
-    real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    positions = (real.long().cumsum(1) - 1).clamp_min(0)
+    positions = padded_positions(
+        torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    )
     mask = block_diffusion_mask(attention_mask, (B, N), L, block, device=input_ids.device)
     out = model(
         torch.cat([input_ids, context.to(input_ids)], 1),
@@ -84,6 +85,12 @@ def _block_diffusion_logits(model, input_ids, attention_mask, context, block, la
         logits_to_keep=torch.arange(N - L, N, device=input_ids.device),
     )
     return out if isinstance(out, Tensor) else out.logits
+
+
+def padded_positions(attention_mask: Tensor) -> Tensor:
+    """Position ids [B, T] counted from each left-padded row's first real token (padding 0):
+    what the native models compute from their mask, so a padded row equals the row alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def causal_lm_backbone(model):

@@ -140,18 +140,20 @@ def top_confidence_mask(confidence: Tensor, counts: list[int]) -> Tensor:
     return commit
 
 
-def _forward_kind(block_cache, c: int, i: int, traced: bool, refresh_every, trace_refresh) -> str:
+def _forward_kind(
+    block_cache, c: int, i: int, traced: bool, refresh_every, trace_refresh, reads_past: bool
+) -> str:
     """Which forward step i of block c runs (docs/rollouts.md): "full" (no cache, a block start,
     every ``refresh_every``-th step of a block, a recorded step), "suffix" (a recorded step with
     ``trace_refresh="suffix"``) or "block". Under block-causal attention (LLaDA 2.x) the cached
     prompt and earlier blocks never go stale, so a later block's start only "extend"s the cache
-    by the block just finished, and a refresh within a block is a "suffix" one: both exact."""
-    refresh = i == 0 or (refresh_every is not None and i % refresh_every == 0)
+    by the block just finished, a step that ``reads_past`` the block (a recorded one whose trace
+    reaches later blocks) is a "suffix" refresh and every other step a "block" one: all exact."""
     if block_cache is not None and block_cache.attention_block is not None:
         if i == 0:
             return "full" if c == 0 else "extend"
-        return "suffix" if refresh or traced else "block"
-    if block_cache is None or refresh:
+        return "suffix" if reads_past else "block"
+    if block_cache is None or i == 0 or (refresh_every is not None and i % refresh_every == 0):
         return "full"
     if traced:
         return "full" if trace_refresh == "full" else "suffix"
@@ -267,13 +269,9 @@ class _Sampler:
         """
         cache, every = self.block_cache, self.refresh_every
         rec = torch.zeros_like(active) if recorded is None else recorded
-        kind_rec = _forward_kind(cache, lo // self.bl, i, True, every, self.trace_refresh)
-        kind_plain = _forward_kind(cache, lo // self.bl, i, False, every, self.trace_refresh)
-        if cache is not None and cache.attention_block is not None:
-            # Block-causal: a step that reads no position past the block (the trace in scope
-            # "block", a refresh_every step) is exact as a block step.
-            kind_rec = "block" if kind_rec == "suffix" and end == hi else kind_rec
-            kind_plain = "block" if kind_plain == "suffix" else kind_plain
+        c, refresh = lo // self.bl, self.trace_refresh
+        kind_rec = _forward_kind(cache, c, i, True, every, refresh, end > hi)
+        kind_plain = _forward_kind(cache, c, i, False, every, refresh, False)
         groups = [(rec, kind_rec, end), (active & ~rec, kind_plain, hi)]
         groups = [g for g in groups if bool(g[0].any())]
         if len(groups) == 2 and kind_rec == kind_plain:  # one forward serves both

@@ -42,7 +42,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from daca.core.modeling import block_causal_mask
+from daca.core.modeling import block_causal_mask, padded_positions
 
 # LLaDA's hub names beside Llama's: the model's top level, then each block's.
 _TOP_NAMES = [("wte", "model.embed_tokens"), ("ln_f", "model.norm"), ("ff_out", "lm_head")]
@@ -275,7 +275,7 @@ def _positions_from_mask(attention_mask, input_ids, position_ids):
         return position_ids
     if input_ids is not None and attention_mask.shape != input_ids.shape:
         return None  # a mask that also covers cached keys: the caller passes positions
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    return padded_positions(attention_mask)
 
 
 def _no_causal_attention(model) -> None:

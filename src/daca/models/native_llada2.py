@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
 
-from daca.models.native import _Bidirectional, _HubLayout
+from daca.models.native import _Bidirectional, _bidirectional_config, _HubLayout
 from daca.models.native_moe import _Experts
 
 ATTENTION_BLOCK = 32  # LLaDA 2.x's block (dllm's LLaDA2SamplerConfig.block_size)
@@ -79,8 +79,6 @@ def llada2_config_problem(hub: dict) -> str | None:
         return "num_shared_experts=0 (zero-width shared experts), which daca does not run"
     if int(hub.get("first_k_dense_replace") or 0) and not hub.get("intermediate_size"):
         return "first_k_dense_replace names dense layers but intermediate_size is not set"
-    if int(hub.get("attention_block_size", ATTENTION_BLOCK)) < 1:
-        return f"attention_block_size={hub['attention_block_size']} is not a positive size"
     return None
 
 
@@ -134,9 +132,9 @@ def llada2_config(hub: dict, **overrides) -> LLaDA2Config:
     config.num_experts = config.n_routed_experts  # read by native_moe._Experts
     config.shared_experts = int(shared or 0)  # read by _MoeBlock
     config.output_bias = bool(hub.get("use_bias", True))  # the attention's dense bias
-    config.attention_block = int(hub.get("attention_block_size", ATTENTION_BLOCK))
-    config.mask_token_id = hub.get("mask_token_id")
-    config.hub_config = dict(hub)
+    config = _bidirectional_config(config, hub)  # reads a checkpoint's attention_block_size
+    if config.attention_block is None:
+        config.attention_block = ATTENTION_BLOCK  # LLaDA 2.x attends in blocks whatever it says
     return config
 
 
@@ -213,9 +211,9 @@ class _FusedAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         shape = hidden_states.shape[:-1]
-        kwargs.pop("position_ids", None)
-        kwargs.pop("use_cache", None)
-        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        cache = (
+            cache if cache is not None else kwargs.pop("past_key_values", None)
+        )  # before 5.x's rename
         qkv = self.query_key_value(hidden_states).view(*shape, -1, self.head_dim)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=-2)
         if self.config.use_qk_norm:
