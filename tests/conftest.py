@@ -113,15 +113,16 @@ def one_error_line(err: str) -> str:
     return errors[0]
 
 
-def lora_adapted(bundle, r: int = 4):
-    """The bundle's model under PEFT LoRA on its family's targets, every B drawn off 0 (B = 0
-    at init would give the A matrices no gradient)."""
+def lora_adapted(bundle, r: int = 4, targets=None):
+    """The bundle's model under PEFT LoRA on ``targets`` (None: its family's), every B drawn
+    off 0 (B = 0 at init would give the A matrices no gradient)."""
     from peft import LoraConfig, get_peft_model
 
     from daca.models.families import lora_targets
 
     torch.manual_seed(0)
-    model = get_peft_model(bundle.model, LoraConfig(r=r, target_modules=lora_targets(bundle)))
+    targets = targets or lora_targets(bundle)
+    model = get_peft_model(bundle.model, LoraConfig(r=r, target_modules=targets))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
@@ -147,3 +148,20 @@ def lora_sgd_step(model, ids) -> set[str]:
             if p.grad is not None:
                 p -= 0.1 * p.grad
     return hit
+
+
+def assert_the_plan_counts_the_adapters_peft_builds(folder, targets=None, r: int = 4):
+    """The memory plan's LoRA count (``ModelShape.lora_parameters``, read off config.json)
+    equals the trainable parameters PEFT builds on the loaded checkpoint for ``targets``
+    (None: the family's default), adapter by adapter."""
+    from daca.models import load
+    from daca.models.families import model_shape
+
+    shape, _ = model_shape(str(folder))
+    model = lora_adapted(load(str(folder)), r=r, targets=targets)
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert sum(trained.values()) == shape.lora_parameters(r, targets)
+    adapted = {n.split(".lora_")[0].removeprefix("base_model.model.") for n in trained}
+    assert len(adapted) == len(shape.adapted(targets))
+    return shape

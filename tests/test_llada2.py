@@ -7,6 +7,7 @@ the fused attention and the experts, save/reload in the hub layout, the special 
 eval``, the memory plan, and the one-line refusal of what daca does not run."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from _hub_llada2 import BLOCK, write_llada2
 from _oracle import block_causal_pattern, config_of, rms, rope, swiglu, token_ids
 from conftest import (
     assert_batch_generates_each_prompt_alone,
+    assert_the_plan_counts_the_adapters_peft_builds,
     left_pad,
     lora_adapted,
     lora_sgd_step,
@@ -28,6 +30,7 @@ from daca.core.modeling import block_diffusion_mask, forward_logits
 from daca.core.sampler import generate
 from daca.models import load, save_pretrained
 from daca.models.families import FAMILIES, lora_targets, model_shape
+from daca.train.config import load_config
 
 # Variants: plain (first layer dense, q/k norms, a shared expert); biased (q/k/v and output
 # biases, no q/k norms, two groups kept of two, every layer MoE); tied (a tied head, no shared
@@ -435,6 +438,23 @@ def test_the_memory_plan_counts_active_and_total_parameters(folders):
     assert shape.layers == 2 and shape.mlp == k * f
     assert shape.parameters - shape.active == routed * (E - k) // E
     assert len(shape.linears) == 2 * 2 + 3 + (E + 1) * 3
+
+
+RECIPE = Path(__file__).resolve().parent.parent / "configs/paper/families/llada2-mini-gsm8k.yaml"
+
+
+@pytest.mark.parametrize("recipe", [False, True], ids=["family targets", "the recipe's targets"])
+def test_the_memory_plan_counts_the_adapters_peft_builds(recipe, folders):
+    """Every projection (the family's default), or the shipped recipe's: attention, the dense
+    layer's MLP and the shared expert, every routed expert frozen."""
+    targets = load_config(RECIPE).lora.target_modules if recipe else None
+    shape = assert_the_plan_counts_the_adapters_peft_builds(folders["plain"], targets)
+    c = config_of(folders["plain"])
+    routed = [name for name in shape.linear_names if ".experts." in name]
+    shares = {seen for _, seen in shape.adapted(targets)}
+    # Routed experts' adapters see top k / experts of the tokens (2 of the config's experts).
+    assert shares == ({1.0} if recipe else {1.0, 2 / c["num_experts"]})
+    assert len(shape.adapted(targets)) == len(shape.linears) - (len(routed) if recipe else 0)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from _hub_moe import write_llada_moe
 from _oracle import config_of, rms, rope, swiglu, token_ids
 from conftest import (
     assert_batch_generates_each_prompt_alone,
+    assert_the_plan_counts_the_adapters_peft_builds,
     lora_adapted,
     lora_sgd_step,
     one_error_line,
@@ -262,6 +263,14 @@ def test_the_memory_plan_counts_active_and_total_parameters(folders):
     assert shape.layers == 2 and shape.mlp == k * f
     assert shape.parameters - shape.active == experts * (E - k) // E
     assert len(shape.linears) == 2 * (4 + E * 3)
+
+
+def test_the_memory_plan_counts_the_adapters_peft_builds(folders):
+    """Attention and every expert (the family's targets); a routed expert's adapters see
+    top k / experts of the tokens."""
+    shape = assert_the_plan_counts_the_adapters_peft_builds(folders["plain"])
+    E = config_of(folders["plain"])["num_experts"]
+    assert {seen for _, seen in shape.adapted()} == {1.0, 2 / E}
 
 
 @pytest.mark.parametrize(

@@ -336,6 +336,35 @@ def test_tiny_a2d_shapes_from_their_built_in_configs():
     assert shape.parameters == 24 * per_layer + 896 + 151936 * 896 == 494_032_768
 
 
+def test_llada2_mini_and_llada_moe_shapes_from_their_built_in_configs():
+    """inclusionAI/LLaDA2.0-mini (the card's 16 B, 1.4 B active) and LLaDA-MoE-7B-A1B (7 B),
+    counted by hand from their config fields."""
+    shape, source = model_shape("inclusionAI/LLaDA2.0-mini")
+    assert source == "built-in config.json" and shape.block_causal
+    embeddings = 2 * 157184 * 2048  # untied
+    # Fused q/k/v (16 + 2 * 4 heads of 128), dense 2048², q/k norms of 128, two layer norms.
+    attention = 2048 * 3072 + 2048**2 + 2 * 128 + 2 * 2048
+    dense_mlp = 3 * 2048 * 5120  # layer 0 (first_k_dense_replace 1)
+    experts, shared, router = 256 * 3 * 2048 * 512, 3 * 2048 * 512, 256 * 2048
+    total = embeddings + 20 * attention + dense_mlp + 19 * (experts + shared + router) + 2048
+    assert shape.parameters == total == 16_255_638_528
+    assert shape.active == total - 19 * experts * (256 - 8) // 256 == 1_432_968_192
+    assert shape.expert_share == 8 / 256
+    # The recipe's LoRA (attention, layer 0's MLP, the shared experts) at r 128.
+    recipe = ["query_key_value", "dense", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    recipe += [f"shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    lora = 20 * (2048 + 3072 + 2 * 2048) + 3 * (2048 + 5120) + 19 * 3 * (2048 + 512)
+    assert shape.lora_parameters(128, recipe) == 128 * lora == 45_023_232
+
+    shape, source = model_shape("inclusionAI/LLaDA-MoE-7B-A1B-Instruct")
+    assert source == "built-in config.json" and not shape.block_causal
+    # 16 layers: q/k/v/o 2048², q/k norms of 128, two norms, a router and 64 experts of 1024.
+    experts = 64 * 3 * 2048 * 1024
+    per_layer = 4 * 2048**2 + 2 * 128 + 2 * 2048 + 64 * 2048 + experts
+    assert shape.parameters == embeddings + 16 * per_layer + 2048 == 7_356_880_896
+    assert shape.active == shape.parameters - 16 * experts * 56 // 64 == 1_719_736_320
+
+
 def test_a2d_qwen3_shape_read_off_the_meta_module_equals_a_hand_count():
     """A2D Qwen3: an explicit head width (q: 8 -> 4 heads of 6 = 24), per-head q/k norms of 6,
     no biases, a tied head."""

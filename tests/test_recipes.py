@@ -11,13 +11,27 @@ from conftest import random_mlm
 
 from daca.cli import main
 from daca.core.sampler import generate
+from daca.models.families import family_of
+from daca.models.native_llada2 import ATTENTION_BLOCK
 from daca.tools.memory import NF4_BYTES, dps_trace_rows, estimate
-from daca.train.config import load_config
+from daca.train.config import load_config, published_differences
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "accelerate")
 PAPER = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
 BENCHMARKS = {"gsm8k", "math500", "countdown", "sudoku", "mbpp", "humaneval", "json_schema"}
+
+
+def header_overrides(path: Path) -> dict[str, list[str]]:
+    """Label -> overrides of each comment line of a recipe that lists ``key=value`` overrides
+    (the command lines excepted)."""
+    found = {}
+    for line in path.read_text().splitlines():
+        overrides = [t for t in line[1:].split() if re.fullmatch(r"[a-z_.0-9]+=\S+", t)]
+        if line.startswith("#") and overrides and "daca.cli" not in line:
+            label = re.sub(r"\s+", " ", line[1:].split(overrides[0])[0]).strip()
+            found[label.removeprefix("base method ").removeprefix("DACA variant ")] = overrides
+    return found
 
 
 def test_one_paper_recipe_per_benchmark():
@@ -30,7 +44,7 @@ def test_recipe_dry_run(path, capsys, monkeypatch):
     assert main(["train", "--config", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "effective batch" in out
-    if path.parent.name == "paper":
+    if "paper" in path.parts:
         assert "estimated GPU memory per device" in out and "unavailable" not in out
 
 
@@ -56,14 +70,7 @@ def test_paper_recipe_settings_and_documented_overrides(path):
     assert g.temperature == 0.9
     assert (cfg.method, cfg.dps.enabled, cfg.sml.enabled) == ("wd1", True, False)
 
-    # Every override line of the header validates and selects what its label says.
-    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
-    found = {}
-    for line in header:
-        overrides = [t for t in line[1:].split() if re.fullmatch(r"[a-z_.0-9]+=\S+", t)]
-        label = re.sub(r"\s+", " ", line[1:].split(overrides[0])[0]).strip() if overrides else ""
-        if overrides and "daca.cli" not in line:
-            found[label.removeprefix("base method ").removeprefix("DACA variant ")] = overrides
+    found = header_overrides(path)
     # μ: the reference codes' rollout reuse (wd1's run scripts: 12, Sudoku 8), for wd1 too.
     mu = 8 if path.stem == "sudoku" else 12
     assert cfg.num_iterations == mu and cfg.name == f"llada-{path.stem}-wd1-dps"
@@ -84,6 +91,67 @@ def test_paper_recipe_settings_and_documented_overrides(path):
         for key, value in expected.items():
             section, _, name = key.rpartition(".")
             assert getattr(getattr(cfg, section) if section else cfg, name) == value, label
+
+
+# The family recipes (configs/paper/families): the settings of each family's own RL code
+# (dllm ca17675's GRPO examples for LLaDA and A2D, ml-diffucoder's config_coupled_code.yaml),
+# as (G, completions per device, accumulation, μ, β, ε, p_mask_prompt), (L, steps, block,
+# temperature), and the base method its code runs.
+FAMILY_SOURCES = {
+    "a2d-qwen3-gsm8k": ((6, 6, 2, 12, 0.04, 0.5, 0.15), (256, 128, 32, 1.0), "diffu_grpo"),
+    "llada-moe-gsm8k": ((6, 6, 2, 12, 0.04, 0.5, 0.15), (256, 128, 32, 1.0), "diffu_grpo"),
+    "llada2-mini-gsm8k": ((6, 6, 2, 12, 0.04, 0.5, 0.15), (256, 256, 32, 1.0), "diffu_grpo"),
+    # 5 a device x 2 accumulated there = 10 a device in one micro-batch here (whole groups).
+    "diffucoder-mbpp": ((10, 10, 1, 2, 0.01, 0.5, 0.0), (256, 256, 256, 1.0), "coupled_grpo"),
+}
+FAMILY_RECIPES = sorted((ROOT / "configs" / "paper" / "families").glob("*.yaml"))
+
+
+def test_one_recipe_per_new_family():
+    assert {p.stem for p in FAMILY_RECIPES} == FAMILY_SOURCES.keys()
+    families = {family_of(*_model_type(load_config(p).model)) for p in FAMILY_RECIPES}
+    assert families == {"a2d-qwen3", "llada-moe", "llada2", "dream"}
+
+
+def _model_type(name: str) -> tuple[str, dict]:
+    from daca.models.families import _config_of
+
+    config, source = _config_of(name)
+    assert source == "built-in config.json"  # a dry run of the recipe downloads nothing
+    return config["model_type"], config
+
+
+@pytest.mark.parametrize("path", FAMILY_RECIPES, ids=lambda p: p.stem)
+def test_family_recipe_settings_and_documented_overrides(path):
+    cfg = load_config(path)
+    g = cfg.generation
+    batch, decoding, method = FAMILY_SOURCES[path.stem]
+    got = (cfg.num_generations, cfg.per_device_train_batch_size)
+    got += (cfg.gradient_accumulation_steps, cfg.num_iterations, cfg.beta, cfg.epsilon)
+    assert got + (cfg.p_mask_prompt,) == batch
+    assert (g.gen_length, g.steps, g.block_length, g.temperature) == decoding
+    assert (cfg.method, cfg.dps.enabled, cfg.sml.enabled) == (method, True, False)
+    assert published_differences(cfg) == []  # the method's published lr and β (and μ)
+    # The paper's QLoRA rank and optimizer beside the family's batch (A2D: no 4-bit, as dllm).
+    assert (cfg.lora.enabled, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (True, 128, 64, 0.05)
+    assert (cfg.load_in_4bit, cfg.bf16) == (not path.stem.startswith("a2d"), True)
+    assert (cfg.weight_decay, cfg.max_grad_norm, cfg.adam_beta2) == (0.1, 0.2, 0.99)
+    # About 32 recorded DPS steps, as the paper's stride 4 of 128.
+    assert g.steps // cfg.dps.stride == 32
+    if path.stem.startswith("llada2"):  # the model's attention block, which the sampler needs
+        assert g.block_length == ATTENTION_BLOCK and g.parallel_threshold == 0.95
+    found = header_overrides(path)
+    for label, expected in {
+        "base": {"dps.enabled": False, "sml.enabled": False},
+        "full DACA": {"dps.enabled": True, "sml.enabled": True},
+        "wd1": dict(method="wd1", beta=0.0, learning_rate=3e-6),
+    }.items():
+        cfg = load_config(path, found[label])
+        for key, value in expected.items():
+            section, _, name = key.rpartition(".")
+            assert getattr(getattr(cfg, section) if section else cfg, name) == value, label
+    for overrides in found.values():  # every other override line validates
+        load_config(path, overrides)
 
 
 def test_memory_estimate_of_the_gsm8k_recipe_by_hand():

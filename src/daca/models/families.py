@@ -13,9 +13,10 @@ builds the model on the meta device, and the shape is read off that module.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # All attention and MLP projections (METHOD.md §5): every native family runs on transformers'
@@ -233,7 +234,10 @@ class ModelShape:
     layer inside the transformer layers, in module order: the projections that LoRA adapts and
     4-bit loading quantises (every expert's, for a mixture of experts: all are resident).
     head_on_completion: the head runs on the completion's positions only (transformers'
-    Llama/Qwen2 classes take ``logits_to_keep``; daca.core.modeling).
+    Llama/Qwen2 classes take ``logits_to_keep``; daca.core.modeling). linear_names: each
+    linear's module name (as PEFT's ``target_modules`` match them); lora_targets: the family's
+    default targets (None: every linear, as PEFT's "all-linear"); expert_share: the share of
+    tokens a routed expert's linears see (top k / experts; 1 for a dense model).
     """
 
     hidden: int
@@ -245,6 +249,9 @@ class ModelShape:
     head_on_completion: bool = False
     active_parameters: int = 0  # a mixture of experts': what one token runs through
     block_causal: bool = False  # LLaDA 2.x: attention in blocks (daca.models.native_llada2)
+    linear_names: tuple[str, ...] = ()
+    lora_targets: tuple[str, ...] | None = None
+    expert_share: float = 1.0
 
     @property
     def active(self) -> int:
@@ -261,9 +268,21 @@ class ModelShape:
         """Embeddings, output head, norms and biases: what 4-bit loading keeps in bf16."""
         return self.parameters - self.linear_parameters
 
-    def lora_parameters(self, r: int) -> int:
-        """A rank-r adapter on every projection of every layer: r · (in + out) each."""
-        return r * sum(i + o for i, o in self.linears)
+    def adapted(self, targets=None) -> list[tuple[tuple[int, int], float]]:
+        """((in, out), share of tokens it sees) of each linear a LoRA of ``target_modules``
+        ``targets`` adapts (None: the family's default), matched as PEFT matches a list: the
+        module's name, or its last dotted parts. A routed expert's sees ``expert_share``."""
+        targets = targets or self.lora_targets
+        names = self.linear_names or ("",) * len(self.linears)
+        return [
+            (shape, self.expert_share if ".experts." in name else 1.0)
+            for shape, name in zip(self.linears, names, strict=True)
+            if targets is None or any(name == t or name.endswith(f".{t}") for t in targets)
+        ]
+
+    def lora_parameters(self, r: int, targets=None) -> int:
+        """A rank-r adapter on each linear ``targets`` names (``adapted``): r · (in + out)."""
+        return r * sum(i + o for (i, o), _ in self.adapted(targets))
 
 
 # The public config.json fields that fix the shapes of GSAI-ML/LLaDA-8B-Instruct and
@@ -297,6 +316,30 @@ A2D_QWEN25_CODER_05B_CONFIG = {
     "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768,
     "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "use_sliding_window": False,
 }  # fmt: skip
+# inclusionAI/LLaDA2.0-mini's config.json fields as public code quotes them (the hub itself was
+# not readable where this was written); they give 16.26 B parameters, 1.44 B active: the
+# model card's 16 B / 1.4 B. use_bias (the attention's output bias) is not quoted: off.
+LLADA2_MINI_CONFIG = {
+    "model_type": "llada2_moe", "hidden_size": 2048, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+    "intermediate_size": 5120, "moe_intermediate_size": 512, "num_experts": 256,
+    "num_experts_per_tok": 8, "num_shared_experts": 1, "n_group": 8, "topk_group": 4,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "score_function": "sigmoid",
+    "norm_topk_prob": True, "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False,
+    "partial_rotary_factor": 0.5, "rope_theta": 600000, "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 32768, "vocab_size": 157184, "tie_word_embeddings": False,
+}  # fmt: skip
+# inclusionAI/LLaDA-MoE-7B-A1B's shape as public notes quote it (OLMoE's: 16 layers of 64
+# experts, 8 per token, 1024 wide), with its tokenizer's 157184 rows (the families table):
+# 7.36 B parameters, the name's 7B. Whether the head is tied is not quoted: untied, as OLMoE.
+LLADA_MOE_7B_CONFIG = {
+    "model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "hidden_size": 2048,
+    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "expert_intermediate_size": 1024, "dense_intermediate_size": 8192, "num_experts": 64,
+    "num_experts_per_tok": 8, "vocab_size": 157184, "rope_theta": 50000,
+    "max_position_embeddings": 8192, "qk_layernorm": True, "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}  # fmt: skip
 # Keys: the last part of a hub name, lower case (a local copy is read from its config.json).
 KNOWN_CONFIGS = {
     "llada-8b-instruct": LLADA_8B_CONFIG,
@@ -311,6 +354,9 @@ KNOWN_CONFIGS = {
     "diffucoder-7b-base": DREAM_7B_CONFIG,
     "diffucoder-7b-instruct": DREAM_7B_CONFIG,
     "diffucoder-7b-cpgrpo": DREAM_7B_CONFIG,
+    "llada2.0-mini": LLADA2_MINI_CONFIG,
+    "llada-moe-7b-a1b-base": LLADA_MOE_7B_CONFIG,
+    "llada-moe-7b-a1b-instruct": LLADA_MOE_7B_CONFIG,
     "qwen3-0.6b-diffusion-mdlm-v0.1": A2D_QWEN3_06B_CONFIG,
     "qwen2.5-coder-0.5b-instruct-diffusion-mdlm-v0.1": A2D_QWEN25_CODER_05B_CONFIG,
 }
@@ -361,30 +407,44 @@ def shape_of_module(model) -> ModelShape:
         mlp = top_k * int(config.moe_intermediate_size)
         routed = sum(p.numel() for n, p in stack.named_parameters() if ".experts." in n)
         active = parameters - routed + routed * top_k // experts
+    prefix = next(name for name, module in model.named_modules() if module is stack)
+    linears = [
+        (f"{prefix}.{name}", m) for name, m in stack.named_modules() if isinstance(m, nn.Linear)
+    ]
     return ModelShape(
         hidden=embedding.embedding_dim,
         layers=len(stack),
         vocab=embedding.num_embeddings,
         mlp=mlp,
         parameters=parameters,
-        linears=tuple(
-            (m.in_features, m.out_features) for m in stack.modules() if isinstance(m, nn.Linear)
-        ),
+        linears=tuple((m.in_features, m.out_features) for _, m in linears),
         head_on_completion=causal_lm_backbone(model) is not None,
         active_parameters=active,
         block_causal=getattr(model, "attention_block", None) is not None,
+        linear_names=tuple(name for name, _ in linears),
+        expert_share=top_k / experts if experts and top_k else 1.0,
     )
 
 
 def shape_from_config(config: dict) -> ModelShape:
-    """The shape of the model a config.json mapping describes, read off its meta-device module."""
-    return shape_of_module(meta_module(config))
+    """The shape of the model a config.json mapping describes, read off its meta-device module,
+    with its family's default LoRA targets."""
+    family = FAMILIES.get(family_of(config.get("model_type"), config))
+    targets = family.lora_targets if family else None
+    return replace(shape_of_module(meta_module(config)), lora_targets=targets)
 
 
 def model_shape(name_or_path: str | None) -> tuple[ModelShape, str]:
     """(shape, where its config came from) for a model name or folder, without loading weights."""
     config, source = _config_of(str(name_or_path or "tiny"))
+    if source == "built-in config.json":  # fixed: built once (LLaDA 2.x's 15k modules: ~4 s)
+        return _built_in_shape(json.dumps(config, sort_keys=True)), source
     return shape_from_config(config), source
+
+
+@functools.cache
+def _built_in_shape(config_json: str) -> ModelShape:
+    return shape_from_config(json.loads(config_json))
 
 
 def _config_of(name: str) -> tuple[dict, str]:

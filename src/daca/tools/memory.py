@@ -91,7 +91,7 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
     est.resident[f"weights ({kind})"] = weights
     if cfg.lora.enabled:
         # PEFT keeps adapters in fp32: weights, gradients and two AdamW moments, 4 bytes each.
-        est.trainable = shape.lora_parameters(cfg.lora.r)
+        est.trainable = shape.lora_parameters(cfg.lora.r, cfg.lora.target_modules)
         est.resident[f"LoRA r={cfg.lora.r} + gradients + AdamW (fp32)"] = est.trainable * 16
     else:
         est.trainable = shape.parameters
@@ -127,9 +127,12 @@ def estimate(cfg: TrainConfig) -> MemoryEstimate:
     if cfg.lora.enabled:
         # PEFT saves each adapter's rank-r output of A and, with dropout, its own dropped-out
         # copy of the projection's input (6 hidden- and 1 MLP-sized for Llama; measured: +49 %
-        # per layer at d 512, MLP 1536, r 128, bench_memory_planner.py).
-        inputs = sum(i for i, _ in shape.linears) if cfg.lora.dropout > 0 else 0
-        per_layer += act * (inputs + cfg.lora.r * len(shape.linears)) / layers
+        # per layer at d 512, MLP 1536, r 128, bench_memory_planner.py); a routed expert's
+        # adapter, for the tokens routed to it alone.
+        adapted = shape.adapted(cfg.lora.target_modules)
+        inputs = sum(i * seen for (i, _), seen in adapted) if cfg.lora.dropout > 0 else 0
+        outputs = cfg.lora.r * sum(seen for _, seen in adapted)
+        per_layer += act * (inputs + outputs) / layers
     # A block-causal model's likelihoods run prompt, noised and clean completion in one
     # forward (daca.core.modeling.block_diffusion_mask): L more tokens per sequence.
     Tu = T + g.gen_length if shape.block_causal else T
