@@ -161,7 +161,9 @@ def llada_moe_hub_config(config: Qwen3Config) -> dict:
 # ----------------------------------------------------------------------------- modules
 class _Experts(nn.ModuleList):
     """The routed experts, one ``Qwen3MoeMLP`` each (the hub's ``experts.<j>.*_proj``): each
-    expert on the tokens routed to it, weighted, summed (transformers' eager expert loop)."""
+    expert on the tokens routed to it, weighted, summed (transformers' eager expert loop, with
+    the tokens grouped by one sort). One nn.Linear triple per expert, as the checkpoint stores
+    them, so that PEFT adapts and bitsandbytes quantises each expert as it does any projection."""
 
     def __init__(self, config):
         super().__init__(
@@ -170,11 +172,21 @@ class _Experts(nn.ModuleList):
         )
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        # One stable sort groups the (token, slot) pairs by expert and one host sync reads the
+        # group sizes, instead of a scan of every pair and a sync per expert: the same pairs in
+        # the same order per expert, so the same sums to the bit (bench_moe_experts.py).
+        k = top_k_index.shape[1]
+        order = top_k_index.flatten().argsort(stable=True)
+        counts = torch.bincount(top_k_index.flatten(), minlength=len(self)).tolist()
+        tokens, weights = order // k, top_k_weights.flatten()[order, None]
         out = torch.zeros_like(hidden_states)
-        for j in top_k_index.unique().tolist():
-            token, slot = torch.where(top_k_index == j)
-            y = self[j](hidden_states[token]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        start = 0
+        for j, n in enumerate(counts):
+            if n:
+                token = tokens[start : start + n]
+                y = self[j](hidden_states[token]) * weights[start : start + n]
+                out.index_add_(0, token, y.to(out.dtype))
+                start += n
         return out
 
 
