@@ -39,9 +39,11 @@ def token_ids(shape, seed=0):
     return torch.randint(0, 250, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def block_causal_pattern(mask, block):
+def block_causal_pattern(mask, block, anchor="end"):
     """[B, T, T] bool of block-causal attention, row by row: a row's real tokens in blocks of
-    ``block`` counted back from its last, a query attending to the real keys of its block and
+    ``block`` counted back from its last (``anchor`` "end", dllm's BD3LM sampler), or by their
+    position counted on from its first (``anchor`` "start", LLaDA 2.x's generate: blocks of
+    positions 0..block-1, ... of the row), a query attending to the real keys of its block and
     of the blocks before it (a padding query to itself)."""
     B, T = mask.shape
     out = torch.zeros(B, T, T, dtype=torch.bool)
@@ -49,6 +51,8 @@ def block_causal_pattern(mask, block):
         real = [i for i in range(T) if mask[r, i]]
         shift = (-len(real)) % block
         block_of = {i: (n + shift) // block for n, i in enumerate(real)}
+        if anchor == "start":
+            block_of = {i: (i - real[0]) // block for i in real}
         for i in range(T):
             for j in real:
                 out[r, i, j] = i in block_of and block_of[j] <= block_of[i]

@@ -93,15 +93,20 @@ def assert_batch_generates_each_prompt_alone(bundle, rows: list[list[int]], **sa
     """Greedy generation on the left-padded batch of ``rows`` gives each row the completion it
     gets alone, unpadded (a loaded ``daca.models.load`` bundle; ``sampler``: other arguments
     of ``generate``)."""
+    from daca.core.modeling import attention_anchor_of
     from daca.core.sampler import generate
+    from daca.models.prompts import pad_for_model
 
-    ids, mask = left_pad(rows, bundle.pad_id)
+    ids, mask = pad_for_model(bundle.model, rows, bundle.pad_id)  # left_pad, or LLaDA 2.x's
     kw = dict(mask_id=bundle.mask_id, gen_length=8, steps=8, block_length=4, temperature=0.0)
     kw |= sampler
     with torch.no_grad():
         batch = generate(bundle.model, ids, mask, **kw).completion_ids
         for r, row in enumerate(rows):
-            alone = generate(bundle.model, torch.tensor([row]), None, **kw).completion_ids
+            alone = (torch.tensor([row]), None)  # in whole blocks for LLaDA 2.x
+            if attention_anchor_of(bundle.model) == "start":
+                alone = pad_for_model(bundle.model, [row], bundle.pad_id)
+            alone = generate(bundle.model, *alone, **kw).completion_ids
             assert batch[r].tolist() == alone[0].tolist()
 
 

@@ -30,6 +30,7 @@ from daca.core.modeling import block_diffusion_mask, forward_logits
 from daca.core.sampler import generate
 from daca.models import load, save_pretrained
 from daca.models.families import FAMILIES, lora_targets, model_shape
+from daca.models.prompts import pad_for_model, pad_prompts
 from daca.train.config import load_config
 
 # Variants: plain (first layer dense, q/k norms, a shared expert); biased (q/k/v and output
@@ -95,7 +96,7 @@ def oracle_logits(w, c, ids, attention_mask=None):
     x = w["model.word_embeddings.weight"][ids]
     B, T, _ = x.shape
     bias = torch.zeros(B, 1, T, T).masked_fill(
-        ~block_causal_pattern(mask, BLOCK)[:, None], float("-inf")
+        ~block_causal_pattern(mask, BLOCK, anchor="start")[:, None], float("-inf")
     )
     for i in range(c["num_hidden_layers"]):
         b = f"model.layers.{i}."
@@ -121,9 +122,14 @@ def oracle_logits(w, c, ids, attention_mask=None):
     return rms(x, w["model.norm.weight"], eps) @ head.T
 
 
-def _padded(bundle, lengths=(5, 11), seed=1):
-    return left_pad(
-        [token_ids((n,), seed + r).tolist() for r, n in enumerate(lengths)], bundle.pad_id
+def _padded(bundle, lengths=(5, 11), seed=1, whole_blocks=True):
+    """Prompts of ``lengths`` padded as daca pads LLaDA 2.x's (``pad_prompts``: in whole
+    blocks, padding before and after), or left padded alone."""
+    rows = [token_ids((n,), seed + r).tolist() for r, n in enumerate(lengths)]
+    return (
+        pad_for_model(bundle.model, rows, bundle.pad_id)
+        if whole_blocks
+        else left_pad(rows, bundle.pad_id)
     )
 
 
@@ -144,12 +150,49 @@ def test_logits_match_the_oracle_unpadded_and_left_padded(variant, folders, load
 
 def test_a_left_padded_row_equals_the_row_alone(loaded):
     model = loaded["plain"].model
-    ids, mask = _padded(loaded["plain"], lengths=(6, 13, 20))
+    ids, mask = _padded(loaded["plain"], lengths=(6, 13, 20), whole_blocks=False)
     with torch.no_grad():
         batch = model(ids, attention_mask=mask).logits
         for r in range(3):
             alone = model(ids[r : r + 1, mask[r].argmax() :]).logits[0]
             torch.testing.assert_close(batch[r, mask[r].argmax() :], alone, **TOL)
+
+
+def test_prompts_are_padded_to_whole_blocks_and_cut_as_its_generate_cuts_them(folders, loaded):
+    """LLaDA 2.x's generate cuts prompt ++ completion into blocks from position 0; daca pads
+    each prompt to whole blocks (before it and after it), so its completion begins a block and
+    each prompt's logits are those of the prompt alone under LLaDA 2.x's own mask."""
+    bundle = loaded["plain"]
+    rows = [token_ids((13,), 1).tolist(), token_ids((5,), 2).tolist()]
+    ids, mask = pad_prompts(bundle, rows)
+    # Blocks of 8: 13 tokens + 3 of padding; 8 of padding, 5 tokens, 3 of padding.
+    assert mask.tolist() == [[1] * 13 + [0] * 3, [0] * 8 + [1] * 5 + [0] * 3]
+    assert ids[0, :13].tolist() == rows[0] and ids[1, 8:13].tolist() == rows[1]
+    assert (ids[mask == 0] == bundle.pad_id).all()
+    w, c = read_weights(folders["plain"]), config_of(folders["plain"])
+    with torch.no_grad():
+        got = bundle.model(ids, attention_mask=mask).logits
+        for r, row in enumerate(rows):
+            alone = oracle_logits(w, c, torch.tensor([row]))[0]  # LLaDA 2.x's mask, from 0
+            torch.testing.assert_close(got[r][mask[r].bool()], alone, **TOL)
+    # Counted back from the end instead, the 13-token prompt's blocks would be 5 + 8: other
+    # logits, which is why LLaDA 2.x is anchored at the start.
+    end = block_causal_pattern(torch.ones(1, 13), BLOCK, anchor="end")
+    assert not torch.equal(end, block_causal_pattern(torch.ones(1, 13), BLOCK, anchor="start"))
+
+
+def test_the_sampler_and_likelihoods_refuse_prompts_that_are_not_whole_blocks(loaded):
+    bundle = loaded["plain"]
+    rows = [token_ids((13,), 1).tolist(), token_ids((5,), 2).tolist()]
+    ids, mask = left_pad(rows, bundle.pad_id)
+    kw = dict(mask_id=bundle.mask_id, gen_length=BLOCK, steps=4, block_length=BLOCK)
+    for prompt, attention in ((ids, mask), (torch.tensor([rows[0]]), None)):
+        with pytest.raises(ValueError, match="not a whole number of the model's blocks of 8"):
+            generate(bundle.model, prompt, attention, **kw)
+    completion = token_ids((2, BLOCK))
+    with pytest.raises(ValueError, match="pad the prompts with daca.models.prompts.pad_prompts"):
+        mean_field_logp(bundle.model, ids, completion, mask_id=bundle.mask_id, attention_mask=mask)
+    generate(bundle.model, *pad_prompts(bundle, rows), **kw)  # in whole blocks: runs
 
 
 def test_a_block_never_sees_a_later_one(loaded):

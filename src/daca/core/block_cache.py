@@ -98,6 +98,7 @@ class BlockCache:
         self.model, self.mode, self.P = model, mode, prompt_length
         self.shift = getattr(self.base, "logits_shift", 0)  # Dream's 1 (daca.models.native)
         self.attention_block = getattr(self.base, "attention_block", None)  # LLaDA 2.x's
+        self.attention_anchor = getattr(self.base, "attention_anchor", "end")
         self.attn, self.total = attn, total
         self.block_causal: Tensor | None = None  # [B, 1, N, N], made at the first refresh
         if attn is None:
@@ -196,9 +197,8 @@ class BlockCache:
         mask, pos = self._inputs(rows, 0)
         if self.attention_block is not None and self.block_causal is None:
             shape = (inp.shape[0], self.total)
-            self.block_causal = block_causal_mask(
-                self.attn, shape, self.attention_block, device=inp.device
-            )
+            block, anchor = self.attention_block, self.attention_anchor
+            self.block_causal = block_causal_mask(self.attn, shape, block, inp.device, anchor)
         logits = self._call(cache, inp, mask, pos, keep)[:, self.P + lo - a :]
         self.cache = self._slot_cache()
         return logits

@@ -77,7 +77,8 @@ def _block_diffusion_logits(model, input_ids, attention_mask, context, block, la
     positions = padded_positions(
         torch.ones_like(input_ids) if attention_mask is None else attention_mask
     )
-    mask = block_diffusion_mask(attention_mask, (B, N), L, block, device=input_ids.device)
+    anchor = attention_anchor_of(model)
+    mask = block_diffusion_mask(attention_mask, (B, N), L, block, input_ids.device, anchor)
     out = model(
         torch.cat([input_ids, context.to(input_ids)], 1),
         attention_mask=mask,
@@ -121,9 +122,24 @@ def attention_block_of(model) -> int | None:
     return getattr(base, "attention_block", None) if base is not None else None
 
 
-def _blocks(attention_mask: Tensor | None, shape: tuple[int, int], block: int, device=None):
-    """(block index [B, N] of each position, real [B, N] bool): a row's real tokens in blocks of
-    ``block`` counted back from its last token (``block_causal_mask``)."""
+def attention_anchor_of(model) -> str:
+    """Where a block-causal model's blocks are counted from (``ANCHORS``; "end" for any other)."""
+    base = causal_lm_backbone(model)
+    return getattr(base, "attention_anchor", "end") if base is not None else "end"
+
+
+# How a row is cut into blocks: "end", counted back from its last token (dllm's BD3LM sampler,
+# which left-pads prompts to whole blocks); "start", counted on from its first real token,
+# padding after it included (LLaDA 2.x, whose own generate cuts prompt ++ completion from
+# position 0: daca pads its prompts so the completion begins a block, ``start_aligned_pad``).
+ANCHORS = ("end", "start")
+
+
+def _blocks(
+    attention_mask: Tensor | None, shape: tuple[int, int], block: int, device=None, anchor="end"
+):
+    """(block index [B, N] of each position, real [B, N] bool): a row cut into blocks of
+    ``block`` from the ``anchor`` (``ANCHORS``; ``block_causal_mask``)."""
     B, N = shape
     if attention_mask is None:
         real = torch.ones(B, N, dtype=torch.bool, device=device)
@@ -134,27 +150,83 @@ def _blocks(attention_mask: Tensor | None, shape: tuple[int, int], block: int, d
         )
     else:
         real = attention_mask.bool()
+    if anchor == "start":
+        first = real.long().argmax(1, keepdim=True)  # each row's first real token
+        index = (torch.arange(N, device=real.device) - first).clamp_min(0)
+        return index // block, real
+    if anchor != "end":
+        raise ValueError(f"anchor must be one of {ANCHORS}, got {anchor!r}")
     index = real.long().cumsum(1) - 1  # each real token's place in its row
     offset = (-real.sum(1, keepdim=True)) % block  # so that the last token ends a block
     return (index + offset) // block, real
 
 
+def start_aligned_pad(ids: list[list[int]], pad_id: int, block: int) -> tuple[Tensor, Tensor]:
+    """Prompts for a block-causal model whose blocks count from its first token (LLaDA 2.x):
+    each row's tokens begin a block (padding before them in whole blocks) and are followed by
+    padding to the end of their last block, so the completion after them begins a block and
+    the prompt is cut into blocks as the model's own ``generate`` cuts it. ids [B, W] long,
+    attention mask [B, W] long (1 = real token), W a multiple of ``block``."""
+    spans = [-(-len(seq) // block) * block for seq in ids]  # a row's tokens + its gap
+    width = max(spans, default=0)
+    out = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for b, (seq, span) in enumerate(zip(ids, spans, strict=True)):
+        start = width - span
+        out[b, start : start + len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[b, start : start + len(seq)] = 1
+    return out, mask
+
+
+def check_completion_begins_block(attention_mask: Tensor | None, P: int, block: int, anchor):
+    """ValueError unless each row's completion (after its P prompt positions) begins a block
+    of ``anchor``'s partition: with "start", a prompt of a whole number of blocks from its
+    first real token (``start_aligned_pad``); no mask: every position real."""
+    if anchor != "start":
+        return
+    if attention_mask is None:
+        first, bad = torch.zeros(1, dtype=torch.long), torch.tensor([P % block != 0])
+    else:
+        real = attention_mask[:, :P].bool()
+        first = real.long().argmax(1)
+        bad = real.any(1) & ((P - first) % block != 0)
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"row {row}'s prompt spans {P - int(first[row])} positions from its first token, "
+            f"not a whole number of the model's blocks of {block}, so its completion would not "
+            "begin a block: pad the prompts with daca.models.prompts.pad_prompts (or "
+            "daca.core.modeling.start_aligned_pad)"
+        )
+
+
 def block_causal_mask(
-    attention_mask: Tensor | None, shape: tuple[int, int], block: int, device=None
+    attention_mask: Tensor | None,
+    shape: tuple[int, int],
+    block: int,
+    device=None,
+    anchor: str = "end",
 ) -> Tensor:
     """[B, 1, N, N] bool of block-causal attention (LLaDA 2.x, block diffusion): query i may
-    attend key j when j is a real token and j's block is not after i's. A row's real tokens are
-    split into blocks of ``block`` counted back from its last token, so that a completion of a
-    multiple of ``block`` tokens begins a block whatever its prompt's length (docs/scale.md); a
-    padding query attends to itself only, so that no row of the attention is empty."""
-    blocks, real = _blocks(attention_mask, shape, block, device)
+    attend key j when j is a real token and j's block is not after i's. A row is split into
+    blocks of ``block`` from ``anchor`` (``ANCHORS``): counted back from its last token, a
+    completion of a multiple of ``block`` tokens begins a block whatever its prompt's length;
+    counted on from its first token, when the prompt is padded to whole blocks
+    (``start_aligned_pad``; docs/scale.md). A padding query attends to itself only, so that
+    no row of the attention is empty."""
+    blocks, real = _blocks(attention_mask, shape, block, device, anchor)
     allowed = (blocks[:, None, :] <= blocks[:, :, None]) & real[:, None, :]
     alone = torch.eye(shape[1], dtype=torch.bool, device=real.device) & ~real[:, :, None]
     return (allowed | alone)[:, None]
 
 
 def block_diffusion_mask(
-    attention_mask: Tensor | None, shape: tuple[int, int], length: int, block: int, device=None
+    attention_mask: Tensor | None,
+    shape: tuple[int, int],
+    length: int,
+    block: int,
+    device=None,
+    anchor: str = "end",
 ) -> Tensor:
     """[B, 1, N + length, N + length] bool over an input of N positions followed by a clean
     copy of its last ``length`` (the completion): each block of the input's completion attends
@@ -167,8 +239,9 @@ def block_diffusion_mask(
         raise ValueError(
             f"a completion of {length} tokens is not a whole number of blocks of {block}"
         )
-    blocks, real = _blocks(attention_mask, shape, block, device)
-    causal = block_causal_mask(attention_mask, shape, block, device)[:, 0]  # [B, N, N]
+    check_completion_begins_block(attention_mask, N - length, block, anchor)
+    blocks, real = _blocks(attention_mask, shape, block, device, anchor)
+    causal = block_causal_mask(attention_mask, shape, block, device, anchor)[:, 0]  # [B, N, N]
     completion = torch.arange(N, device=real.device) >= N - length
     clean = blocks[:, N - length :]  # the clean copy's blocks [B, length]
     same = blocks[:, :, None] == blocks[:, None, :]

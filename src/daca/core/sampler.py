@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from daca.core.block_cache import BlockCache
-from daca.core.modeling import attention_block_of, forward_logits, full_attention_mask
+from daca.core.modeling import (
+    attention_anchor_of,
+    attention_block_of,
+    check_completion_begins_block,
+    forward_logits,
+    full_attention_mask,
+)
 from daca.core.options import check_sampler
 from daca.core.trace import TraceRecorder
 
@@ -448,6 +454,9 @@ def generate(
             f"{block} (LLaDA 2.x, or config.json's attention_block_size): decode with "
             f"block_length={block}"
         )
+    if block is not None:
+        P = prompt_ids.shape[1]
+        check_completion_begins_block(attention_mask, P, block, attention_anchor_of(model))
     recorder = None
     if dps_stride is not None:
         recorder = TraceRecorder(

@@ -346,6 +346,11 @@ class _Bidirectional:
         attention is bidirectional."""
         return getattr(self.config, "attention_block", None)
 
+    @property
+    def attention_anchor(self) -> str:
+        """Where the blocks are counted from (``daca.core.modeling.ANCHORS``)."""
+        return getattr(self.config, "attention_anchor", "end")
+
     def _block_causal(self, input_ids, attention_mask, kwargs):
         """A full forward's block-causal mask, built from its padding mask; a cached step's
         [B, 1, q, kv] mask (daca.core.block_cache lays it out) passes through."""
@@ -358,9 +363,8 @@ class _Bidirectional:
                 "cached keys (daca.core.block_cache builds it), not a padding mask"
             )
         inputs = input_ids if input_ids is not None else kwargs["inputs_embeds"]
-        return block_causal_mask(
-            attention_mask, inputs.shape[:2], self.attention_block, device=inputs.device
-        )
+        block, anchor = self.attention_block, self.attention_anchor
+        return block_causal_mask(attention_mask, inputs.shape[:2], block, inputs.device, anchor)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         position_ids = _positions_from_mask(attention_mask, input_ids, position_ids)

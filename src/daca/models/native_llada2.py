@@ -22,10 +22,10 @@ the same network) is Ling 2.0's MoE block, which is transformers' GLM-4.5 MoE bl
   builds it itself, from the padding mask, so every caller (the sampler, the update's
   likelihoods, TRL) runs the family's pattern (``daca.core.modeling.block_causal_mask``).
 
-Blocks are ``attention_block`` (32, dllm's and inclusionAI's default) positions counted back
-from the end of each row, so a completion whose length is a multiple of the block begins a
-block (a daca decision, docs/scale.md): with a prompt whose length is a multiple of the block
-this is exactly the partition of dllm's sampler, which counts from the first token.
+Blocks are ``attention_block`` (32, dllm's and inclusionAI's default) positions counted from
+each row's first token (``attention_anchor`` "start"), as LLaDA 2.x's ``generate`` cuts
+prompt ++ completion; daca pads its prompts to whole blocks (``daca.models.prompts
+.pad_prompts``) so that the completion begins a block (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def llada2_config(hub: dict, **overrides) -> LLaDA2Config:
     config = _bidirectional_config(config, hub)  # reads a checkpoint's attention_block_size
     if config.attention_block is None:
         config.attention_block = ATTENTION_BLOCK  # LLaDA 2.x attends in blocks whatever it says
+    config.attention_anchor = "start"  # its generate cuts prompt ++ completion from position 0
     return config
 
 

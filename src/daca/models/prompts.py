@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from daca.core.modeling import attention_anchor_of, attention_block_of, start_aligned_pad
 from daca.models.loading import LoadedModel
 
 # ----------------------------------------------------------------------------- chat templates
@@ -189,13 +190,23 @@ def fit_prompts(
 
 def pad_prompts(bundle: LoadedModel, ids: list[list[int]]) -> tuple[Tensor, Tensor]:
     """Left-padded prompt ids [B, P] and attention mask [B, P] (P: the tiny model's width, else
-    the longest prompt)."""
+    the longest prompt); for a model whose blocks count from the first token (LLaDA 2.x),
+    each prompt in whole blocks, padded after it too (``pad_for_model``)."""
+    return pad_for_model(bundle.model, ids, bundle.pad_id, bundle.prompt_width)
+
+
+def pad_for_model(
+    model, ids: list[list[int]], pad_id: int, prompt_width: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """``pad_prompts`` for a model and pad id (the TRL front-end's entry): left padding to
+    ``prompt_width`` or the longest prompt, or ``daca.core.modeling.start_aligned_pad`` for a
+    block-causal model anchored at the start, so that its completion begins a block."""
     width = max(len(i) for i in ids)
-    if bundle.prompt_width is not None:
-        if width > bundle.prompt_width:
-            raise ValueError(f"a prompt has more than the model's {bundle.prompt_width} tokens")
-        width = bundle.prompt_width
-    return left_pad(ids, width, bundle.pad_id)
+    if prompt_width is not None and width > prompt_width:
+        raise ValueError(f"a prompt has more than the model's {prompt_width} tokens")
+    if (block := attention_block_of(model)) is not None and attention_anchor_of(model) == "start":
+        return start_aligned_pad(ids, pad_id, block)
+    return left_pad(ids, prompt_width or width, pad_id)
 
 
 def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[Tensor, Tensor]:

@@ -217,7 +217,7 @@ class TrainConfig:
     )
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
     bf16: bool = _f(False, "bf16 weights and compute (GPU)")
-    load_in_4bit: bool = _f(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes >= 0.50: GPU or CPU)")
+    load_in_4bit: bool = _f(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes: GPU or CPU)")
     device: str = _f("auto", "'auto', 'cpu' or 'cuda' (accelerate decides under launch)")
 
 

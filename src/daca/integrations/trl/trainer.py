@@ -19,7 +19,7 @@ from daca.core.sampler import Rollout
 from daca.integrations.trl.config import DACAGRPOConfig
 from daca.models.loading import LoadedModel, load, write_meta
 from daca.models.prompts import left_pad as left_pad_lists
-from daca.models.prompts import up_to_eos
+from daca.models.prompts import pad_for_model, up_to_eos
 from daca.train.methods import METHODS
 from daca.train.rollout import RolloutBatch, dps_multipliers, sample_micro_batch
 from daca.train.seeds import step_mask_seeds
@@ -187,10 +187,11 @@ class DACAGRPOTrainer(GRPOTrainer):
 
     def _sample(self, prompt_ids: list[list[int]], micro: int) -> tuple[Rollout, Tensor]:
         """Micro-batch ``micro``'s rollout of the prompts, left padded to ``prompt_width`` (else
-        to the longest), and the prompts' attention mask."""
+        to the longest; LLaDA 2.x: in whole blocks, ``pad_for_model``), and the prompts'
+        attention mask."""
         args = self.args
-        width = self.prompt_width or max(len(p) for p in prompt_ids)
-        ids, att = left_pad(prompt_ids, width, self._tokenizer.pad_token_id)
+        pad_id, model = self._tokenizer.pad_token_id, self.accelerator.unwrap_model(self.model)
+        ids, att = pad_for_model(model, prompt_ids, pad_id, self.prompt_width)
         ids, att = ids.to(self.accelerator.device), att.to(self.accelerator.device)
         with (
             unwrap_model_for_generation(
