@@ -317,7 +317,7 @@ A2D_QWEN25_CODER_05B_CONFIG = {
     "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "use_sliding_window": False,
 }  # fmt: skip
 # inclusionAI/LLaDA2.0-mini's config.json fields as public code quotes them (the hub itself was
-# not readable where this was written); they give 16.26 B parameters, 1.44 B active: the
+# not readable where this was written); they give 16.26 B parameters, 1.43 B active: the
 # model card's 16 B / 1.4 B. use_bias (the attention's output bias) is not quoted: off.
 LLADA2_MINI_CONFIG = {
     "model_type": "llada2_moe", "hidden_size": 2048, "num_hidden_layers": 20,
