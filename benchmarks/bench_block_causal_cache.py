@@ -11,10 +11,12 @@ size: the median process CPU time of each (one thread), the speed-up over "none"
 model's bound on it and the fraction of the bound reached.
 
 The bound counts token-forwards (a forward's cost taken as its query length): none runs T full
-forwards of P + L; dual one full forward (the first block's start), at each later block c's
-start an extension from the block before it (L - (c - 1) block), at each recorded step within
-a block a suffix refresh (L - c block; in the last block that is the block alone), at every
-other step the block alone.
+forwards of P + L; dual stops every forward at the last position its logits are read from
+(nothing after it changes anything before it): the first block's start runs P + the block
+(P + L when recorded: the trace reads every later block), each later block c's start extends
+the cache from the block before it (2 blocks; L - (c - 1) block when recorded), each recorded
+step within a block is a suffix refresh (L - c block; in the last block the block alone), and
+every other step runs the block alone.
 
     python benchmarks/bench_block_causal_cache.py                 # d 128/256/512, batch 8
     python benchmarks/bench_block_causal_cache.py --sizes d128    # one size
@@ -63,9 +65,9 @@ def block_causal_bound(P, L, T, bl, stride, mode):
         c, i = divmod(t, k)
         recorded = stride is not None and t % stride == 0
         if mode == "none" or (i == 0 and c == 0):
-            total += P + L
+            total += P + (L if mode == "none" or recorded else bl)
         elif i == 0:
-            total += L - (c - 1) * bl
+            total += L - (c - 1) * bl if recorded else 2 * bl
         elif recorded:
             total += L - c * bl
         else:

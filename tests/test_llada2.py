@@ -286,6 +286,34 @@ def test_the_trace_in_scope_block_refreshes_only_what_it_reads(loaded):
     assert runs["dual"].forwards == {"full": 1, "extend": 1, "suffix": 1, "block": 5}
 
 
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_cached_forwards_stop_where_their_logits_are_read(mode, loaded):
+    """Query positions of every forward of a cached rollout (P 8, 3 blocks of 8, 2 steps a
+    block): nothing past the block without the trace; with it (s 2, every block start
+    recorded), the recorded forwards run to the completion's end, which the trace reads."""
+    bundle = loaded["plain"]
+    embed = bundle.model.get_input_embeddings()
+    seen = []
+    hook = embed.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
+    prompt = token_ids((2, BLOCK), 3)
+    kw = dict(mask_id=bundle.mask_id, gen_length=3 * BLOCK, steps=6, block_length=BLOCK,
+              temperature=0.0, cache=mode)  # fmt: skip
+    try:
+        with torch.no_grad():
+            plain = generate(bundle.model, prompt, None, **kw)
+            plain_queries, seen[:] = list(seen), []
+            traced = generate(bundle.model, prompt, None, dps_stride=2, **kw)
+            none = generate(bundle.model, prompt, None, **(kw | {"cache": "none"}))
+    finally:
+        hook.remove()
+    # Block 0's start: P + its block; later starts: the block finished + the block; steps: 8.
+    assert plain_queries == [16, 8, 16, 8, 16, 8]
+    # Recorded starts read every later block: P + L, then L and L - 8 from the block finished.
+    assert seen[:6] == [32, 8, 24, 8, 16, 8]
+    assert torch.equal(plain.sequences, none.sequences)
+    assert torch.equal(traced.sequences, none.sequences)
+
+
 def test_parallel_decoding_with_either_cache_equals_no_cache(folders):
     """Rows that finish a block at different steps run their steps on their own rows of the
     cache (a head scaled by 30, so that confidences pass the threshold)."""

@@ -127,8 +127,14 @@ class BlockCache:
             mask, pos = mask[rows], pos[rows]
         return mask, pos
 
+    def _reach(self, end: int) -> int:
+        """Where a forward whose logits reach completion position ``end`` may stop: a
+        block-causal model's positions after it change nothing before it (P + end), any other
+        model's attend to everything (P + L)."""
+        return self.P + end if self.attention_block is not None else self.total
+
     def _call(self, cache, ids, mask, pos, keep) -> Tensor:
-        pos = pos.to(ids.device).expand(ids.shape[0], -1)
+        pos = pos[:, : ids.shape[1]].to(ids.device).expand(ids.shape[0], -1)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -161,8 +167,13 @@ class BlockCache:
         if len(self.keys) <= layer:  # the first refresh (of every row) makes the buffers
             if rows is not None:
                 raise RuntimeError("BlockCache: a refresh of some rows before one of all rows")
-            self.keys.append(torch.empty_like(keys, memory_format=torch.contiguous_format))
-            self.values.append(torch.empty_like(values, memory_format=torch.contiguous_format))
+            if self.attention_block is not None:  # its forwards may stop short (``_reach``):
+                shape = (*keys.shape[:-2], self.total, keys.shape[-1])  # keys never written
+                self.keys.append(keys.new_zeros(shape))  # are masked out, and 0, not garbage
+                self.values.append(values.new_zeros(shape))
+            else:
+                self.keys.append(torch.empty_like(keys, memory_format=torch.contiguous_format))
+                self.values.append(torch.empty_like(values, memory_format=torch.contiguous_format))
         a, cut_from, total = self.a, self.P + self.hi, keys.shape[-2]
         pieces = [(slice(0, a), slice(0, a))] if prefix else []  # (buffer, forward positions)
         if self.mode == "dual":
@@ -178,7 +189,12 @@ class BlockCache:
 
         cut_from, total = self.P + self.hi, self.keys[0].shape[-2]
         cached = self.a if self.mode == "prefix" else self.a + total - cut_from
-        layers = [_SlotLayer(k, v, cached) for k, v in zip(self.keys, self.values, strict=True)]
+        # prefix: the slot is the block and everything after, or a block-causal model's block
+        stop = self._reach(self.hi) if self.mode == "prefix" else total
+        layers = [
+            _SlotLayer(k[..., :stop, :], v[..., :stop, :], cached)
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
         return Cache(layers=layers)
 
     def refresh(self, inp: Tensor, lo: int, hi: int, end: int, rows: Tensor | None = None):
@@ -199,7 +215,9 @@ class BlockCache:
             shape = (inp.shape[0], self.total)
             block, anchor = self.attention_block, self.attention_anchor
             self.block_causal = block_causal_mask(self.attn, shape, block, inp.device, anchor)
-        logits = self._call(cache, inp, mask, pos, keep)[:, self.P + lo - a :]
+        n = self._reach(end)
+        mask = None if mask is None else mask[:, :n]
+        logits = self._call(cache, inp[:, :n], mask, pos, keep)[:, self.P + lo - a :]
         self.cache = self._slot_cache()
         return logits
 
@@ -211,9 +229,10 @@ class BlockCache:
         cache = self._rows_of(rows, a)  # dual: [prefix, suffix] -> prefix
         keep = torch.arange(0, P + end - a, device=inp.device)
         mask, pos = self._inputs(rows, a)
+        n = self._reach(end)
         if self.block_causal is not None:
-            mask = self._block_causal_rows(rows, a, None, None)
-        logits = self._call(cache, inp[:, a:], mask, pos, keep)[:, P + lo - a :]
+            mask = self._block_causal_rows(rows, a, n, None)[..., :n]
+        logits = self._call(cache, inp[:, a:n], mask, pos, keep)[:, P + lo - a :]
         for i, layer in enumerate(cache.layers):
             self._store(i, rows, layer.keys, layer.values, prefix=False)
         self.cache = self._slot_cache()
@@ -221,10 +240,10 @@ class BlockCache:
 
     def extend(self, inp: Tensor, lo: int, hi: int, end: int, rows: Tensor | None = None):
         """A block-causal model's refresh at the start of block lo..hi-1 (lo > 0): the block
-        before it, now final, and everything after recomputed against the cached prompt and
-        earlier blocks, which nothing they attend to has changed since they were cached; logits
-        of positions lo..end-1. Exact: the refresh's logits and keys, at L - lo + block query
-        positions instead of P + L."""
+        before it, now final, and everything after it up to ``end`` recomputed against the
+        cached prompt and earlier blocks, which nothing they attend to has changed since they
+        were cached; logits of positions lo..end-1. Exact: the refresh's logits and keys, at
+        end - lo + block query positions instead of P + L."""
         if self.attention_block is None or lo == 0 or lo != self.hi:
             raise RuntimeError("BlockCache.extend: a block-causal model's next block only")
         start, P = self.P + lo - self.attention_block, self.P  # the block just finished
@@ -232,8 +251,9 @@ class BlockCache:
         cache = self._rows_of(rows, start)
         keep = torch.arange(P + lo - start, P + end - start, device=inp.device)
         _, pos = self._inputs(rows, start)
-        mask = self._block_causal_rows(rows, start, None, None)
-        logits = self._call(cache, inp[:, start:], mask, pos, keep)
+        n = self._reach(end)
+        mask = self._block_causal_rows(rows, start, n, None)[..., :n]
+        logits = self._call(cache, inp[:, start:n], mask, pos, keep)
         for i, layer in enumerate(cache.layers):
             self._store(i, rows, layer.keys, layer.values)
         self.cache = self._slot_cache()
@@ -242,7 +262,7 @@ class BlockCache:
     def block(self, inp: Tensor, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         """One block step on the cache of the last refresh: logits of positions lo..hi-1."""
         a, P = self._check_block("block", lo, hi), self.P
-        end = P + hi if self.mode == "dual" else inp.shape[1]
+        end = P + hi if self.mode == "dual" else self._reach(hi)
         mask, pos = self._inputs(rows, a)
         if self.block_causal is not None:
             order = None  # the keys as stored; dual: prefix, suffix, block
@@ -250,6 +270,7 @@ class BlockCache:
                 at = torch.arange(self.total, device=inp.device)
                 order = torch.cat([at[:a], at[P + hi :], at[a : P + hi]])
             mask = self._block_causal_rows(rows, a, end, order)
+            mask = mask if order is not None else mask[..., :end]  # prefix: keys up to end
         elif mask is not None and self.mode == "dual":
             mask = torch.cat([mask[:, :a], mask[:, P + hi :], mask[:, a : P + hi]], dim=1)
         cache = self._rows_of(rows)
