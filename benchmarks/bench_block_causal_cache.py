@@ -10,13 +10,13 @@ each cached rollout must give none's tokens (checked, printed as "same tokens").
 size: the median process CPU time of each (one thread), the speed-up over "none", the cost
 model's bound on it and the fraction of the bound reached.
 
-The bound counts token-forwards (a forward's cost taken as its query length): none runs T full
-forwards of P + L; dual stops every forward at the last position its logits are read from
-(nothing after it changes anything before it): the first block's start runs P + the block
-(P + L when recorded: the trace reads every later block), each later block c's start extends
-the cache from the block before it (2 blocks; L - (c - 1) block when recorded), each recorded
-step within a block is a suffix refresh (L - c block; in the last block the block alone), and
-every other step runs the block alone.
+The bound counts token-forwards (a forward's cost taken as its query length). Every forward
+stops at the last position its logits are read from (nothing after it changes anything before
+it): none runs P + the blocks up to the one it decodes, at every step; dual runs P + the block
+at the first block's start (P + L when recorded: the trace reads every later block), at each
+later block c's start an extension from the block before it (2 blocks; L - (c - 1) block when
+recorded), at each recorded step within a block a suffix refresh (L - c block; in the last
+block the block alone), and the block alone at every other step.
 
     python benchmarks/bench_block_causal_cache.py                 # d 128/256/512, batch 8
     python benchmarks/bench_block_causal_cache.py --sizes d128    # one size
@@ -57,22 +57,29 @@ def random_llada2(layers, d, heads, vocab, block, seed=0):
         return LLaDA2ForDiffusionLM(llada2_config(hub)).eval()
 
 
-def block_causal_bound(P, L, T, bl, stride, mode):
-    """none's token-forwards over the variant's (the module docstring's count)."""
+def token_forwards(P, L, T, bl, stride, mode):
+    """The query positions a rollout's forwards run (the module docstring's count)."""
     k = T // (L // bl)
     total = 0
     for t in range(T):
         c, i = divmod(t, k)
         recorded = stride is not None and t % stride == 0
-        if mode == "none" or (i == 0 and c == 0):
-            total += P + (L if mode == "none" or recorded else bl)
+        if mode == "none":
+            total += P + (L if recorded else (c + 1) * bl)
+        elif i == 0 and c == 0:
+            total += P + (L if recorded else bl)
         elif i == 0:
             total += L - (c - 1) * bl if recorded else 2 * bl
         elif recorded:
             total += L - c * bl
         else:
             total += bl
-    return T * (P + L) / total
+    return total
+
+
+def block_causal_bound(P, L, T, bl, stride, mode):
+    """none's token-forwards (without the trace) over the variant's."""
+    return token_forwards(P, L, T, bl, None, "none") / token_forwards(P, L, T, bl, stride, mode)
 
 
 def bound_of(size, mode, stride):

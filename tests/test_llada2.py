@@ -286,11 +286,21 @@ def test_the_trace_in_scope_block_refreshes_only_what_it_reads(loaded):
     assert runs["dual"].forwards == {"full": 1, "extend": 1, "suffix": 1, "block": 5}
 
 
-@pytest.mark.parametrize("mode", ["prefix", "dual"])
-def test_cached_forwards_stop_where_their_logits_are_read(mode, loaded):
-    """Query positions of every forward of a cached rollout (P 8, 3 blocks of 8, 2 steps a
-    block): nothing past the block without the trace; with it (s 2, every block start
-    recorded), the recorded forwards run to the completion's end, which the trace reads."""
+# Query positions of each forward (P 8, 3 blocks of 8, 2 steps a block), without the trace and
+# with it at s 2 (every block start recorded: its forward runs to the end, which the trace
+# reads). No cache: P + the block, or P + L. Cached: block 0's start P + its block, later starts
+# the block finished + the block (recorded: L and L - 8 from the block finished), steps 8.
+QUERIES = {
+    "none": ([16, 16, 24, 24, 32, 32], [32, 16, 32, 24, 32, 32]),
+    "prefix": ([16, 8, 16, 8, 16, 8], [32, 8, 24, 8, 16, 8]),
+    "dual": ([16, 8, 16, 8, 16, 8], [32, 8, 24, 8, 16, 8]),
+}
+
+
+@pytest.mark.parametrize("mode", QUERIES)
+def test_forwards_stop_where_their_logits_are_read(mode, loaded):
+    """Nothing after a position changes it under block-causal attention: no forward computes
+    past the last position its logits are read from, with or without the cache."""
     bundle = loaded["plain"]
     embed = bundle.model.get_input_embeddings()
     seen = []
@@ -306,10 +316,7 @@ def test_cached_forwards_stop_where_their_logits_are_read(mode, loaded):
             none = generate(bundle.model, prompt, None, **(kw | {"cache": "none"}))
     finally:
         hook.remove()
-    # Block 0's start: P + its block; later starts: the block finished + the block; steps: 8.
-    assert plain_queries == [16, 8, 16, 8, 16, 8]
-    # Recorded starts read every later block: P + L, then L and L - 8 from the block finished.
-    assert seen[:6] == [32, 8, 24, 8, 16, 8]
+    assert (plain_queries, seen[:6]) == QUERIES[mode]
     assert torch.equal(plain.sequences, none.sequences)
     assert torch.equal(traced.sequences, none.sequences)
 

@@ -199,6 +199,9 @@ class _Sampler:
         self.block_cache = (
             None if cache == "none" else BlockCache(model, cache, self.attn, P, P + gen_length)
         )
+        # A block-causal model's positions after a step's last read one change nothing before
+        # it, so its uncached forwards stop there too (BlockCache._reach).
+        self.block_causal = attention_block_of(model) is not None
         self.masked = torch.ones(B, gen_length, dtype=torch.bool, device=device)  # M_t
         self.birth = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
         self.clock = torch.zeros(B, dtype=torch.long, device=device)  # each row's own step t_b
@@ -302,6 +305,8 @@ class _Sampler:
             inp = inp[sel]
         if cache is None:
             attn = self.attn if sel is None or self.attn is None else self.attn[sel]
+            if self.block_causal:
+                inp, attn = inp[:, : P + end], None if attn is None else attn[:, : P + end]
             logits = forward_logits(self.model, inp, attn, last=inp.shape[1] - P - lo, stop=P + end)
         elif kind == "full":
             logits = cache.refresh(inp, lo, hi, end, sel)
