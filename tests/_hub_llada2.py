@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from _hub import poison, random_weights, write_weights
-from _hub_moe import write_moe_tokenizer
+from _hub_moe import head_shapes, swiglu_shapes, write_moe_tokenizer
 
 BLOCK = 8
 
@@ -124,13 +124,8 @@ def llada2_shapes(c: dict) -> dict[str, tuple[int, ...]]:
             if c["num_shared_experts"]:
                 mlps.append(("mlp.shared_experts.", f * c["num_shared_experts"]))
         for prefix, f in mlps:
-            shapes[b + prefix + "gate_proj.weight"] = (f, d)
-            shapes[b + prefix + "up_proj.weight"] = (f, d)
-            shapes[b + prefix + "down_proj.weight"] = (d, f)
-    shapes["model.norm.weight"] = (d,)
-    if not c["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, d)
-    return shapes
+            shapes.update(swiglu_shapes(b + prefix, f, d))
+    return shapes | head_shapes(c, d, v)
 
 
 def llada2_weights(c: dict, seed: int) -> dict[str, torch.Tensor]:

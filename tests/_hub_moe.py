@@ -114,13 +114,24 @@ def llada_moe_shapes(c: dict) -> dict[str, tuple[int, ...]]:
             f = c["expert_intermediate_size"]
             mlps = [(f"mlp.experts.{j}.", f) for j in range(c["num_experts"])]
         for prefix, f in mlps:
-            shapes[b + prefix + "gate_proj.weight"] = (f, d)
-            shapes[b + prefix + "up_proj.weight"] = (f, d)
-            shapes[b + prefix + "down_proj.weight"] = (d, f)
-    shapes["model.norm.weight"] = (d,)
-    if not c["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, d)
-    return shapes
+            shapes.update(swiglu_shapes(b + prefix, f, d))
+    return shapes | head_shapes(c, d, v)
+
+
+def swiglu_shapes(prefix: str, f: int, d: int) -> dict[str, tuple[int, ...]]:
+    """One SwiGLU MLP's (an expert's, a shared or a dense one) projections of width ``f``."""
+    return {
+        prefix + "gate_proj.weight": (f, d),
+        prefix + "up_proj.weight": (f, d),
+        prefix + "down_proj.weight": (d, f),
+    }
+
+
+def head_shapes(c: dict, d: int, v: int) -> dict[str, tuple[int, ...]]:
+    """The final norm and, unless tied to the embedding, the output head."""
+    return {"model.norm.weight": (d,)} | (
+        {} if c["tie_word_embeddings"] else {"lm_head.weight": (v, d)}
+    )
 
 
 def moe_weights(c: dict, seed: int) -> dict[str, torch.Tensor]:

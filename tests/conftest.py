@@ -170,3 +170,17 @@ def assert_the_plan_counts_the_adapters_peft_builds(folder, targets=None, r: int
     adapted = {n.split(".lora_")[0].removeprefix("base_model.model.") for n in trained}
     assert len(adapted) == len(shape.adapted(targets))
     return shape
+
+
+def assert_moe_tokenizer_ids_and_no_remote_code(folder, bundle) -> None:
+    """A checkpoint written with ``_hub_moe.write_moe_tokenizer`` (LLaDA-MoE's and LLaDA 2.x's
+    tokenizer): mask 156895, ends 156892 and <|role_end|> 156900, pad 156892, read off it; its
+    ``*.py`` never imported, with or without ``trust_remote_code``."""
+    from _hub import imported_python
+
+    from daca.models import load
+
+    assert (bundle.mask_id, bundle.eos_ids, bundle.pad_id) == (156895, (156892, 156900), 156892)
+    for trust in (False, True):
+        load(str(folder), trust_remote_code=trust)
+    assert imported_python(folder) == []

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hub import imported_python, read_weights
+from _hub import read_weights
 from _hub_llada2 import BLOCK, write_llada2
 from _oracle import block_causal_pattern, config_of, rms, rope, swiglu, token_ids
 from conftest import (
     assert_batch_generates_each_prompt_alone,
+    assert_moe_tokenizer_ids_and_no_remote_code,
     assert_the_plan_counts_the_adapters_peft_builds,
     left_pad,
     lora_adapted,
@@ -459,11 +460,7 @@ def test_save_and_reload_keeps_logits_hub_keys_and_config(folders, loaded, tmp_p
 
 
 def test_special_ids_are_read_off_the_checkpoint_and_its_code_never_runs(folders, loaded):
-    bundle = loaded["plain"]
-    assert (bundle.mask_id, bundle.eos_ids, bundle.pad_id) == (156895, (156892, 156900), 156892)
-    for trust in (False, True):
-        load(str(folders["plain"]), trust_remote_code=trust)
-    assert imported_python(folders["plain"]) == []
+    assert_moe_tokenizer_ids_and_no_remote_code(folders["plain"], loaded["plain"])
 
 
 def test_llada2_1_and_a_moved_mask_id_load(tmp_path):

@@ -200,14 +200,14 @@ class _Sampler:
             None if cache == "none" else BlockCache(model, cache, self.attn, P, P + gen_length)
         )
         # A block-causal model's positions after a step's last read one change nothing before
-        # it, so its uncached forwards stop there too (BlockCache._reach).
+        # it, so its uncached forwards stop there too (BlockCache._reach); cached, it extends.
         self.block_causal = attention_block_of(model) is not None
         self.masked = torch.ones(B, gen_length, dtype=torch.bool, device=device)  # M_t
         self.birth = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
         self.clock = torch.zeros(B, dtype=torch.long, device=device)  # each row's own step t_b
         self.everyone = torch.ones(B, dtype=torch.bool, device=device)
         suffix = {"suffix": 0} if trace_refresh == "suffix" else {}
-        if self.block_cache is not None and self.block_cache.attention_block is not None:
+        if self.block_cache is not None and self.block_causal:
             suffix = {"extend": 0, "suffix": 0}
         self.forwards = {"full": 0, "block": 0} | suffix
         self.rows_forwarded = 0  # rows run through those forwards (B each without a threshold)

@@ -212,9 +212,6 @@ class _FusedAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         shape = hidden_states.shape[:-1]
-        cache = (
-            cache if cache is not None else kwargs.pop("past_key_values", None)
-        )  # before 5.x's rename
         qkv = self.query_key_value(hidden_states).view(*shape, -1, self.head_dim)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=-2)
         if self.config.use_qk_norm:
